@@ -1,0 +1,47 @@
+# One-command setup: every target that needs Python first builds or refreshes .venv from
+# pyproject.toml + constraints.txt (idempotent: a stamp file skips the install when nothing changed).
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: setup demo test lint format protos lock clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt scripts/setup_system.sh
+	bash scripts/setup_system.sh
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+# The main job on the CPU default. Until the trainer issue lands this starts the four services,
+# checks each one over gRPC (health + reflection) and stops them: it trains nothing yet.
+demo: $(STAMP)
+	$(VENV)/bin/turnrl up --config examples/calculator/config.yaml --check
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+# Regenerate the committed stubs in turnrl/v1/ from protos/ (tests fail when they drift).
+protos: $(STAMP)
+	$(PY) -m turnrl.protogen
+
+# Re-pin constraints.txt to what .venv holds now.
+lock: $(STAMP)
+	{ head -n 2 constraints.txt; $(PY) -m pip freeze --exclude-editable \
+	  | sed 's/^torch==\(.*\)+cpu$$/torch==\1/'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

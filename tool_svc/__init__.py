@@ -1,0 +1,1 @@
+"""The tool service: calculator, Python sandbox, search, MCP and Sandbox Fusion behind one API."""

@@ -1,0 +1,7 @@
+"""`python -m trainer_svc [--config F] [--host H] [--port N] [key=value ...]`: `turnrl serve trainer`."""
+
+import sys
+
+from turnrl.cli import main
+
+main(["serve", "trainer", *sys.argv[1:]])

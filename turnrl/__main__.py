@@ -1,0 +1,3 @@
+from turnrl.cli import main
+
+main()

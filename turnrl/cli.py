@@ -1,0 +1,154 @@
+"""The `turnrl` command line: serve one service, start all four, run training, call services.
+
+    turnrl serve {tool,reward,rollout,trainer} [--config F] [--host H] [--port N] [key=value ...]
+    turnrl up [--config F] [--check] [key=value ...]
+    turnrl run --config F [--resume] [key=value ...]
+    turnrl health --addr H:P [--service NAME]
+    turnrl tool list [--addr H:P]
+    turnrl tool call NAME 'JSON-ARGS' [--addr H:P] [--session-kwargs JSON]
+    turnrl score --data-source S --ground-truth G (--response TEXT | --input FILE.jsonl) [--addr H:P]
+
+Every `key=value` is a config override (e.g. `tool.server.port=0`). Client commands print JSON
+on stdout, read a bearer token from $TURNRL_AUTH_TOKEN, and exit non-zero on failure.
+"""
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from reward_svc.server import serve as serve_reward
+from rollout_svc.server import serve as serve_rollout
+from tool_svc.server import serve as serve_tool
+from trainer_svc.server import serve as serve_trainer
+from turnrl import __version__, client_commands, launcher
+from turnrl.config import DEFAULT_PORTS
+from turnrl.errors import ConfigError
+from turnrl.project_config import ProjectConfig, load_project_config
+
+SERVERS: dict[str, Callable[[ProjectConfig], Coroutine[Any, Any, None]]] = {
+    "tool": lambda project: serve_tool(project.tool),
+    "reward": lambda project: serve_reward(project.reward),
+    "rollout": lambda project: serve_rollout(project.rollout),
+    "trainer": lambda project: serve_trainer(project.trainer),
+}
+# Exit codes: 1 a failed request or a service that died, 2 a bad command line or config.
+EXIT_USAGE = 2
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `turnrl` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        code = args.handler(args)
+    except ConfigError as e:
+        print(f"turnrl: {e}", file=sys.stderr)
+        code = EXIT_USAGE
+    sys.exit(code)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="turnrl", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"turnrl {__version__}")
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="serve one service in the foreground")
+    serve.add_argument("service", choices=sorted(SERVERS))
+    _add_config_args(serve)
+    serve.add_argument("--host", help="interface to bind (default from config: 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to bind; 0 picks a free one")
+    serve.set_defaults(handler=_serve)
+
+    up = commands.add_parser("up", help="start all four services as local processes")
+    _add_config_args(up)
+    up.add_argument(
+        "--check",
+        action="store_true",
+        help="start, check each service over gRPC (health, reflection), print the table, stop",
+    )
+    up.set_defaults(handler=lambda a: asyncio.run(launcher.up(a.config, a.overrides, a.check)))
+
+    run = commands.add_parser("run", help="train: start the services and submit the run")
+    _add_config_args(run, config_required=True)
+    run.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    run.set_defaults(handler=lambda a: asyncio.run(launcher.run(a.config, a.overrides, a.resume)))
+
+    health = commands.add_parser("health", help="exit 0 when a service reports SERVING")
+    _add_client_args(health, default_port=None)
+    health.add_argument("--service", default="", help="service name; default: the whole server")
+    health.set_defaults(handler=lambda a: asyncio.run(client_commands.health(a)))
+
+    tool = commands.add_parser("tool", help="call the tool service")
+    tool_commands = tool.add_subparsers(dest="tool_command", required=True, metavar="ACTION")
+    tool_list = tool_commands.add_parser("list", help="print the tools' schemas as JSON")
+    _add_client_args(tool_list, default_port=DEFAULT_PORTS["tool"])
+    tool_list.set_defaults(handler=lambda a: asyncio.run(client_commands.tool_list(a)))
+    tool_call = tool_commands.add_parser("call", help="run one tool call, print the result")
+    tool_call.add_argument("name", help="tool name")
+    tool_call.add_argument("arguments", help="the call's arguments, a JSON object")
+    tool_call.add_argument("--session-kwargs", help="JSON object passed to CreateSession")
+    _add_client_args(tool_call, default_port=DEFAULT_PORTS["tool"])
+    tool_call.set_defaults(handler=lambda a: asyncio.run(client_commands.tool_call(a)))
+
+    score = commands.add_parser("score", help="score responses with the reward service")
+    score.add_argument("--data-source", required=True, help="scorer key, e.g. openai/gsm8k")
+    score.add_argument("--ground-truth", help="reference answer (JSON, or plain text)")
+    response = score.add_mutually_exclusive_group(required=True)
+    response.add_argument("--response", help="the response text to score")
+    response.add_argument(
+        "--input", type=Path, help="JSONL file; each line has 'response' and 'ground_truth'"
+    )
+    _add_client_args(score, default_port=DEFAULT_PORTS["reward"])
+    score.set_defaults(handler=lambda a: asyncio.run(client_commands.score(a)))
+    return parser
+
+
+def _add_config_args(parser: argparse.ArgumentParser, *, config_required: bool = False) -> None:
+    parser.add_argument(
+        "--config", type=Path, required=config_required, help="turnrl YAML config file"
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="config overrides, e.g. tool.server.port=0",
+    )
+
+
+def _add_client_args(parser: argparse.ArgumentParser, *, default_port: int | None) -> None:
+    parser.add_argument(
+        "--addr",
+        required=default_port is None,
+        default=None if default_port is None else f"127.0.0.1:{default_port}",
+        help="host:port of the service",
+    )
+    parser.add_argument("--timeout", type=float, default=30.0, help="deadline, in seconds")
+    parser.add_argument("--tls-ca", type=Path, help="PEM CA bundle; enables TLS")
+    parser.add_argument("--tls-cert", type=Path, help="PEM client certificate (mTLS)")
+    parser.add_argument("--tls-key", type=Path, help="PEM client key (mTLS)")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides)
+    if args.host is not None:
+        overrides.append(f"{args.service}.server.host={args.host}")
+    if args.port is not None:
+        overrides.append(f"{args.service}.server.port={args.port}")
+    project = load_project_config(args.config, overrides)
+    try:
+        asyncio.run(SERVERS[args.service](project))
+    except OSError as e:
+        print(f"turnrl serve {args.service}: {e}", file=sys.stderr)
+        return 1
+    return 0

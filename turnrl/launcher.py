@@ -1,0 +1,280 @@
+"""Local launcher: runs the four services as child processes (`turnrl up`, `turnrl run`).
+
+Each child is `python -m turnrl serve <name>` with the same config file and overrides. The
+launcher learns each address from the child's first stdout line, waits for gRPC health
+SERVING, and supervises: when one child dies it says which and why (exit status and its last
+log lines) and stops the others; on Ctrl-C or SIGTERM it stops them all, trainer first.
+"""
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from turnrl import rpc
+from turnrl.config import ClientConfig, ServerConfig
+from turnrl.project_config import ProjectConfig, load_project_config
+from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# Start order; stop order is the reverse (the trainer calls the rollout service, which calls
+# the tool and reward services, so callers go first and never see their callees vanish).
+SERVICE_NAMES = ("tool", "reward", "rollout", "trainer")
+STARTUP_TIMEOUT_SECONDS = 120.0
+# Extra time past a service's own shutdown grace before it is killed.
+STOP_SLACK_SECONDS = 5.0
+LOG_TAIL_LINES = 20
+PR_SET_PDEATHSIG = 1
+
+
+class ServiceDiedError(RuntimeError):
+    """A child service exited when it should be running."""
+
+
+@dataclass
+class ServiceProcess:
+    """One running child service."""
+
+    name: str
+    server: ServerConfig
+    process: asyncio.subprocess.Process
+    address: str = ""
+    log_tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
+    log_task: asyncio.Task | None = None
+
+    def client_config(self) -> ClientConfig:
+        """How the launcher reaches this service (TLS verified against its own certificate)."""
+        return ClientConfig(
+            address=self.address,
+            tls_ca_file=self.server.tls.cert_file if self.server.tls else None,
+            auth_token_env=self.server.auth_token_env,
+        )
+
+    def exit_description(self) -> str:
+        code = self.process.returncode
+        status = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        tail = "\n".join(f"    {line}" for line in self.log_tail) or "    (no output)"
+        return f"{self.name} service (pid {self.process.pid}) {status}; its last output:\n{tail}"
+
+
+async def up(config_path: Path | None, overrides: Sequence[str], check: bool) -> int:
+    """`turnrl up`: start all four, print their addresses, supervise until Ctrl-C or a death."""
+    project = load_project_config(config_path, overrides)
+    console = Console()
+    try:
+        async with local_services(project, config_path, overrides) as services:
+            if check:
+                return await _check(services, console)
+            console.print(_table(services, {}))
+            console.print("all four services SERVING; Ctrl-C stops them")
+            return await _supervise(services, console)
+    except ServiceDiedError as e:
+        Console(stderr=True).print(f"[red]turnrl up: {e}[/red]", highlight=False)
+        return 1
+
+
+async def run(config_path: Path, overrides: Sequence[str], resume: bool) -> int:
+    """`turnrl run`: start the services, submit the run to the trainer service (StartRun)."""
+    project = load_project_config(config_path, overrides)
+    console = Console(stderr=True)
+    try:
+        async with local_services(project, config_path, overrides) as services:
+            trainer = next(s for s in services if s.name == "trainer")
+            async with rpc.open_channel(trainer.client_config()) as channel:
+                stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+                request = trainer_pb2.StartRunRequest(
+                    config_yaml=yaml.safe_dump(project.model_dump(mode="json")), resume=resume
+                )
+                try:
+                    reply = await stub.StartRun(request, timeout=60.0)
+                except grpc.aio.AioRpcError as e:
+                    console.print(
+                        f"[red]turnrl run: StartRun failed: {e.code().name}: {e.details()}[/red]",
+                        highlight=False,
+                    )
+                    return 1
+            console.print(f"run {reply.run.name!r} started in {reply.run.output_dir}")
+            return 0
+    except ServiceDiedError as e:
+        console.print(f"[red]turnrl run: {e}[/red]", highlight=False)
+        return 1
+
+
+@contextlib.asynccontextmanager
+async def local_services(
+    project: ProjectConfig, config_path: Path | None, overrides: Sequence[str]
+) -> AsyncIterator[list[ServiceProcess]]:
+    """Starts the four services, yields them once all are SERVING, stops them on exit.
+
+    Raises ServiceDiedError, naming the service and its last output, when one fails to start.
+    """
+    servers = {
+        "tool": project.tool.server,
+        "reward": project.reward.server,
+        "rollout": project.rollout.server,
+        "trainer": project.trainer.server,
+    }
+    services: list[ServiceProcess] = []
+    try:
+        for name in SERVICE_NAMES:
+            services.append(await _spawn(name, servers[name], config_path, overrides))
+        async with asyncio.TaskGroup() as group:
+            for service in services:
+                group.create_task(_wait_ready(service))
+        yield services
+    except* ServiceDiedError as group_error:
+        raise group_error.exceptions[0] from None
+    finally:
+        await _stop_all(services)
+
+
+async def _spawn(
+    name: str, server: ServerConfig, config_path: Path | None, overrides: Sequence[str]
+) -> ServiceProcess:
+    command = [sys.executable, "-m", "turnrl", "serve", name, *overrides]
+    if config_path is not None:
+        command[5:5] = ["--config", str(config_path)]
+    process = await asyncio.create_subprocess_exec(
+        *command,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        # Own session: a terminal's Ctrl-C reaches only the launcher, which stops children in order.
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
+    service = ServiceProcess(name=name, server=server, process=process)
+    service.log_task = asyncio.create_task(_forward_log(service))
+    return service
+
+
+def _die_with_parent() -> None:
+    # Runs in the child before exec: if the launcher is killed, the kernel sends SIGTERM.
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+async def _forward_log(service: ServiceProcess) -> None:
+    assert service.process.stderr is not None
+    async for raw in service.process.stderr:
+        line = raw.decode(errors="replace").rstrip()
+        service.log_tail.append(line)
+        print(f"[{service.name}] {line}", file=sys.stderr, flush=True)
+
+
+async def _wait_ready(service: ServiceProcess) -> None:
+    assert service.process.stdout is not None
+    try:
+        async with asyncio.timeout(STARTUP_TIMEOUT_SECONDS):
+            line = (await service.process.stdout.readline()).decode().strip()
+            if not line.startswith("serving "):
+                await service.process.wait()
+                if service.log_task is not None:
+                    await service.log_task
+                raise ServiceDiedError(service.exit_description())
+            host_port = line.rsplit(" ", 1)[-1]
+            service.address = _reachable(host_port)
+            await rpc.wait_until_serving(
+                service.client_config(), timeout_seconds=STARTUP_TIMEOUT_SECONDS
+            )
+    except TimeoutError:
+        raise ServiceDiedError(
+            f"{service.name} service (pid {service.process.pid}) did not report SERVING within "
+            f"{STARTUP_TIMEOUT_SECONDS:.0f}s"
+        ) from None
+
+
+def _reachable(host_port: str) -> str:
+    """The address a local client dials for a server bound to `host_port` (0.0.0.0 -> loopback)."""
+    host, _, port = host_port.rpartition(":")
+    if host in ("0.0.0.0", "::", "[::]"):
+        host = "127.0.0.1"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+async def _supervise(services: list[ServiceProcess], console: Console) -> int:
+    stop_requested = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop_requested.set)
+    waiters = {asyncio.create_task(s.process.wait()): s for s in services}
+    stop_waiter = asyncio.create_task(stop_requested.wait())
+    done, _ = await asyncio.wait([stop_waiter, *waiters], return_when=asyncio.FIRST_COMPLETED)
+    for task in [stop_waiter, *waiters]:
+        task.cancel()
+    dead = [waiters[task] for task in done if task in waiters]
+    if dead:
+        if dead[0].log_task is not None:
+            await dead[0].log_task
+        console.print(f"[red]turnrl up: {dead[0].exit_description()}[/red]", highlight=False)
+        console.print("stopping the other services")
+        return 1
+    console.print("stopping all services")
+    return 0
+
+
+async def _stop_all(services: list[ServiceProcess]) -> None:
+    for service in reversed(services):
+        process = service.process
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(
+                    service.server.shutdown_grace_seconds + STOP_SLACK_SECONDS
+                ):
+                    await process.wait()
+            except TimeoutError:
+                log.warning(
+                    "%s service did not stop in time; killing pid %d", service.name, process.pid
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGKILL)
+                await process.wait()
+        if service.log_task is not None:
+            await service.log_task
+
+
+async def _check(services: list[ServiceProcess], console: Console) -> int:
+    listed: dict[str, list[str]] = {}
+    for service in services:
+        async with rpc.open_channel(service.client_config()) as channel:
+            listed[service.name] = await rpc.list_services(channel, timeout_seconds=10.0)
+    console.print(_table(services, listed))
+    expected = {f"turnrl.v1.{name.capitalize()}Service" for name in SERVICE_NAMES}
+    missing = expected - {name for names in listed.values() for name in names}
+    if missing:
+        console.print(f"[red]turnrl up --check: not served: {sorted(missing)}[/red]")
+        return 1
+    console.print("check passed: four services SERVING over gRPC health, each listed by reflection")
+    return 0
+
+
+def _table(services: list[ServiceProcess], listed: dict[str, list[str]]) -> Table:
+    table = Table(title="turnrl services")
+    for column in ("service", "address", "pid", "health", "reflection"):
+        table.add_column(column)
+    for service in services:
+        names = [n for n in listed.get(service.name, []) if n.startswith("turnrl.")]
+        table.add_row(
+            service.name,
+            service.address,
+            str(service.process.pid),
+            "SERVING",
+            ", ".join(names) or "-",
+        )
+    return table
