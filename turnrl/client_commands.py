@@ -131,7 +131,9 @@ def _open(args: argparse.Namespace) -> grpc.aio.Channel:
     return rpc.open_channel(config, token=client_token_from_env())
 
 
-async def _release(stub: tool_pb2_grpc.ToolServiceStub, session_id: str, timeout_seconds: float) -> None:
+async def _release(
+    stub: tool_pb2_grpc.ToolServiceStub, session_id: str, timeout_seconds: float
+) -> None:
     try:
         await stub.ReleaseSession(
             tool_pb2.ReleaseSessionRequest(session_id=session_id), timeout=timeout_seconds

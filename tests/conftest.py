@@ -1,0 +1,87 @@
+"""Shared test fixtures: real services as subprocesses on free loopback ports."""
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from turnrl.config import REPO_ROOT, fixtures_dir
+
+# Asyncio debug mode in every test loop and child service: slow callbacks (>100 ms) are reported.
+os.environ.setdefault("PYTHONASYNCIODEBUG", "1")
+
+EXAMPLE_CONFIG = REPO_ROOT / "examples" / "calculator" / "config.yaml"
+SERVICE_NAMES = ("tool", "reward", "rollout", "trainer")
+STARTUP_TIMEOUT_SECONDS = 60.0
+
+
+@pytest.fixture(scope="session")
+def fixtures() -> Path:
+    """The shared test fixtures folder ($TURNRL_FIXTURES or ../shared/fixtures)."""
+    path = fixtures_dir()
+    assert path.is_dir(), f"test fixtures not found at {path}; set TURNRL_FIXTURES"
+    return path
+
+
+@dataclass
+class ServedProcess:
+    """A `turnrl serve` child process and the address it printed."""
+
+    process: asyncio.subprocess.Process
+    address: str
+
+
+async def run_turnrl(*args: str, env: dict[str, str] | None = None, timeout_seconds: float = 120.0):
+    """Runs `python -m turnrl ARGS` to completion; returns (exit code, stdout, stderr)."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "turnrl",
+        *args,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+    )
+    async with asyncio.timeout(timeout_seconds):
+        stdout, stderr = await process.communicate()
+    return process.returncode, stdout.decode(), stderr.decode()
+
+
+@contextlib.asynccontextmanager
+async def serve_subprocess(
+    service: str, *overrides: str, env: dict[str, str] | None = None
+) -> AsyncIterator[ServedProcess]:
+    """Starts `turnrl serve SERVICE --port 0` and yields it once it printed its address."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "turnrl",
+        "serve",
+        service,
+        "--port",
+        "0",
+        *overrides,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+    )
+    try:
+        async with asyncio.timeout(STARTUP_TIMEOUT_SECONDS):
+            line = (await process.stdout.readline()).decode().strip()
+        if not line.startswith("serving "):
+            _, stderr = await process.communicate()
+            raise AssertionError(f"turnrl serve {service} did not start:\n{stderr.decode()}")
+        yield ServedProcess(process=process, address=line.rsplit(" ", 1)[-1])
+    finally:
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGKILL)
+        await process.communicate()
