@@ -49,8 +49,13 @@ async def run_turnrl(*args: str, env: dict[str, str] | None = None, timeout_seco
         stderr=asyncio.subprocess.PIPE,
         env={**os.environ, **(env or {})},
     )
-    async with asyncio.timeout(timeout_seconds):
-        stdout, stderr = await process.communicate()
+    try:
+        async with asyncio.timeout(timeout_seconds):
+            stdout, stderr = await process.communicate()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
     return process.returncode, stdout.decode(), stderr.decode()
 
 

@@ -41,12 +41,21 @@ EXIT_USAGE = 2
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `turnrl` console script."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may stand anywhere among the options, which argparse positionals do not allow.
+    args, extra = parser.parse_known_args(argv)
+    overrides = [a for a in extra if "=" in a and not a.startswith("-")]
+    unknown = [a for a in extra if a not in overrides]
+    if unknown or (overrides and not getattr(args, "accepts_overrides", False)):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
+    args.overrides = overrides
     logging.basicConfig(
         level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # In asyncio debug mode (tests) asyncio logs every subprocess at INFO; keep its warnings only.
+    logging.getLogger("asyncio").setLevel(logging.WARNING)
     try:
         code = args.handler(args)
     except ConfigError as e:
@@ -118,12 +127,8 @@ def _add_config_args(parser: argparse.ArgumentParser, *, config_required: bool =
     parser.add_argument(
         "--config", type=Path, required=config_required, help="turnrl YAML config file"
     )
-    parser.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="key=value",
-        help="config overrides, e.g. tool.server.port=0",
-    )
+    parser.set_defaults(accepts_overrides=True)
+    parser.epilog = "Config overrides go anywhere as key.sub=value, e.g. tool.server.port=0."
 
 
 def _add_client_args(parser: argparse.ArgumentParser, *, default_port: int | None) -> None:

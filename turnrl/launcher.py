@@ -44,6 +44,10 @@ class ServiceDiedError(RuntimeError):
     """A child service exited when it should be running."""
 
 
+class StartupInterruptedError(RuntimeError):
+    """Ctrl-C or SIGTERM arrived before every service was SERVING."""
+
+
 @dataclass
 class ServiceProcess:
     """One running child service."""
@@ -74,24 +78,29 @@ async def up(config_path: Path | None, overrides: Sequence[str], check: bool) ->
     """`turnrl up`: start all four, print their addresses, supervise until Ctrl-C or a death."""
     project = load_project_config(config_path, overrides)
     console = Console()
+    stop_requested = _stop_on_signals()
     try:
-        async with local_services(project, config_path, overrides) as services:
+        async with local_services(project, config_path, overrides, stop_requested) as services:
             if check:
                 return await _check(services, console)
             console.print(_table(services, {}))
             console.print("all four services SERVING; Ctrl-C stops them")
-            return await _supervise(services, console)
+            return await _supervise(services, stop_requested, console)
     except ServiceDiedError as e:
         Console(stderr=True).print(f"[red]turnrl up: {e}[/red]", highlight=False)
         return 1
+    except StartupInterruptedError:
+        console.print("interrupted during start-up; stopped all services")
+        return 0
 
 
 async def run(config_path: Path, overrides: Sequence[str], resume: bool) -> int:
     """`turnrl run`: start the services, submit the run to the trainer service (StartRun)."""
     project = load_project_config(config_path, overrides)
     console = Console(stderr=True)
+    stop_requested = _stop_on_signals()
     try:
-        async with local_services(project, config_path, overrides) as services:
+        async with local_services(project, config_path, overrides, stop_requested) as services:
             trainer = next(s for s in services if s.name == "trainer")
             async with rpc.open_channel(trainer.client_config()) as channel:
                 stub = trainer_pb2_grpc.TrainerServiceStub(channel)
@@ -111,15 +120,22 @@ async def run(config_path: Path, overrides: Sequence[str], resume: bool) -> int:
     except ServiceDiedError as e:
         console.print(f"[red]turnrl run: {e}[/red]", highlight=False)
         return 1
+    except StartupInterruptedError:
+        console.print("interrupted during start-up; stopped all services")
+        return 0
 
 
 @contextlib.asynccontextmanager
 async def local_services(
-    project: ProjectConfig, config_path: Path | None, overrides: Sequence[str]
+    project: ProjectConfig,
+    config_path: Path | None,
+    overrides: Sequence[str],
+    stop_requested: asyncio.Event,
 ) -> AsyncIterator[list[ServiceProcess]]:
     """Starts the four services, yields them once all are SERVING, stops them on exit.
 
-    Raises ServiceDiedError, naming the service and its last output, when one fails to start.
+    Raises ServiceDiedError, naming the service and its last output, when one fails to start,
+    and StartupInterruptedError when `stop_requested` is set first.
     """
     servers = {
         "tool": project.tool.server,
@@ -131,12 +147,15 @@ async def local_services(
     try:
         for name in SERVICE_NAMES:
             services.append(await _spawn(name, servers[name], config_path, overrides))
-        async with asyncio.TaskGroup() as group:
-            for service in services:
-                group.create_task(_wait_ready(service))
+        ready = asyncio.gather(*(_wait_ready(service) for service in services))
+        interrupted = asyncio.ensure_future(stop_requested.wait())
+        await asyncio.wait([ready, interrupted], return_when=asyncio.FIRST_COMPLETED)
+        interrupted.cancel()
+        if not ready.done():
+            ready.cancel()
+            raise StartupInterruptedError()
+        ready.result()  # raises the first ServiceDiedError
         yield services
-    except* ServiceDiedError as group_error:
-        raise group_error.exceptions[0] from None
     finally:
         await _stop_all(services)
 
@@ -206,11 +225,18 @@ def _reachable(host_port: str) -> str:
     return f"{host}:{port}"
 
 
-async def _supervise(services: list[ServiceProcess], console: Console) -> int:
+def _stop_on_signals() -> asyncio.Event:
+    """An event set by Ctrl-C (SIGINT) or SIGTERM, which then no longer kill the launcher."""
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop_requested.set)
+    return stop_requested
+
+
+async def _supervise(
+    services: list[ServiceProcess], stop_requested: asyncio.Event, console: Console
+) -> int:
     waiters = {asyncio.create_task(s.process.wait()): s for s in services}
     stop_waiter = asyncio.create_task(stop_requested.wait())
     done, _ = await asyncio.wait([stop_waiter, *waiters], return_when=asyncio.FIRST_COMPLETED)
@@ -220,7 +246,9 @@ async def _supervise(services: list[ServiceProcess], console: Console) -> int:
     if dead:
         if dead[0].log_task is not None:
             await dead[0].log_task
-        console.print(f"[red]turnrl up: {dead[0].exit_description()}[/red]", highlight=False)
+        Console(stderr=True).print(
+            f"[red]turnrl up: {dead[0].exit_description()}[/red]", highlight=False
+        )
         console.print("stopping the other services")
         return 1
     console.print("stopping all services")

@@ -366,7 +366,7 @@ async def call_idempotent(
     retrying = AsyncRetrying(
         retry=retry_if_exception(_is_unavailable),
         stop=stop_after_attempt(max_attempts),
-        wait=wait_exponential_jitter(multiplier=0.05, max=2.0),
+        wait=wait_exponential_jitter(multiplier=0.05, max=2.0, jitter=0.1),
         before_sleep=lambda state: _raise_if_past(deadline, state),
         reraise=True,
     )

@@ -319,6 +319,7 @@ async def test_graceful_stop_drains_in_flight_calls():
         stopping = asyncio.create_task(rpc.stop_server(running, grace_seconds=10))
         assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
         assert not stopping.done()
+        watch.cancel()  # an open Watch stream would hold the server for the whole grace
         servicer.release.set()
         reply = await call
         await stopping

@@ -1,0 +1,102 @@
+"""The `turnrl` command line: version, thin clients against real services, `turnrl run`."""
+
+import asyncio
+import json
+import signal
+import sys
+
+import turnrl
+
+from .conftest import EXAMPLE_CONFIG, SERVICE_NAMES, run_turnrl, serve_subprocess
+
+
+async def test_version():
+    code, stdout, _ = await run_turnrl("--version")
+    assert code == 0
+    assert stdout.strip() == f"turnrl {turnrl.__version__}"
+
+
+async def test_health_reports_serving_as_json():
+    async with serve_subprocess("reward") as served:
+        code, stdout, _ = await run_turnrl("health", "--addr", served.address)
+    assert code == 0
+    assert json.loads(stdout) == {"address": served.address, "service": "", "status": "SERVING"}
+
+
+async def test_health_fails_for_an_unknown_service_name():
+    async with serve_subprocess("reward") as served:
+        code, _, stderr = await run_turnrl(
+            "health", "--addr", served.address, "--service", "turnrl.v1.NoSuchService"
+        )
+    assert code == 1
+    assert "NOT_FOUND" in stderr
+
+
+async def test_tool_and_score_clients_say_what_the_service_answered():
+    async with serve_subprocess("tool") as tool, serve_subprocess("reward") as reward:
+        results = await asyncio.gather(
+            run_turnrl("tool", "list", "--addr", tool.address),
+            run_turnrl("tool", "call", "calculator", '{"expression": "1+1"}', "--addr", tool.address),
+            run_turnrl(
+                "score", "--addr", reward.address, "--data-source", "openai/gsm8k",
+                "--ground-truth", "42", "--response", "#### 42",
+            ),
+        )  # fmt: skip
+    for (code, stdout, stderr), method in zip(
+        results, ["ListTools", "Execute", "Score"], strict=True
+    ):
+        assert code == 1
+        assert stdout == ""
+        assert f"{method} at 127.0.0.1:" in stderr and "UNIMPLEMENTED" in stderr
+
+
+async def test_score_reads_a_jsonl_input_and_rejects_bad_lines(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"response": "#### 1", "ground_truth": "1"}\n{"no_response": true}\n')
+    code, _, stderr = await run_turnrl(
+        "score", "--data-source", "openai/gsm8k", "--input", str(bad), "--addr", "127.0.0.1:1"
+    )
+    assert code == 2
+    assert f"{bad}:2" in stderr and "'response'" in stderr
+
+
+async def test_tool_call_rejects_session_kwargs_that_are_not_an_object():
+    code, _, stderr = await run_turnrl(
+        "tool", "call", "calculator", "{}", "--session-kwargs", "[1, 2]", "--addr", "127.0.0.1:1"
+    )
+    assert code == 2
+    assert "--session-kwargs must be a JSON object" in stderr
+
+
+async def test_client_reports_an_unreachable_service():
+    code, _, stderr = await run_turnrl("tool", "list", "--addr", "127.0.0.1:1", "--timeout", "2")
+    assert code == 1
+    assert "ListTools at 127.0.0.1:1 failed" in stderr
+
+
+async def test_unknown_arguments_are_refused():
+    code, _, stderr = await run_turnrl("tool", "list", "tool.server.port=1")
+    assert code == 2
+    assert "unrecognized arguments: tool.server.port=1" in stderr
+
+
+async def test_run_starts_the_services_and_reports_that_training_is_not_there_yet():
+    code, _, stderr = await run_turnrl(
+        "run", "--config", str(EXAMPLE_CONFIG), *[f"{n}.server.port=0" for n in SERVICE_NAMES]
+    )
+    assert code == 1
+    assert "StartRun failed: UNIMPLEMENTED" in stderr
+    assert "[trainer]" in stderr and "shutting down" in stderr
+
+
+async def test_each_service_package_runs_as_a_module():
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rollout_svc", "--port", "0",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(60):
+        line = (await process.stdout.readline()).decode()
+        process.send_signal(signal.SIGTERM)
+        await process.communicate()
+    assert line.startswith("serving RolloutService on 127.0.0.1:")
+    assert process.returncode == 0

@@ -1,0 +1,98 @@
+"""`turnrl up`: starts the four services, checks them, supervises, stops them all."""
+
+import asyncio
+import os
+import re
+import signal
+import sys
+
+from .conftest import EXAMPLE_CONFIG, SERVICE_NAMES, run_turnrl
+
+FREE_PORTS = [f"{name}.server.port=0" for name in SERVICE_NAMES]
+SHORT_GRACE = [f"{name}.server.shutdown_grace_seconds=2" for name in SERVICE_NAMES]
+ROW = re.compile(r"(tool|reward|rollout|trainer)\s*│\s*(127\.0\.0\.1:\d+)\s*│\s*(\d+)")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_up_check_starts_checks_and_stops_all_four():
+    code, stdout, stderr = await run_turnrl(
+        "up", "--config", str(EXAMPLE_CONFIG), "--check", *FREE_PORTS
+    )
+    assert code == 0, stderr
+    rows = {name: (address, int(pid)) for name, address, pid in ROW.findall(stdout)}
+    assert set(rows) == set(SERVICE_NAMES)
+    assert len({address for address, _ in rows.values()}) == 4
+    assert "check passed" in stdout
+    for name in SERVICE_NAMES:
+        assert f"turnrl.v1.{name.capitalize()}Service" in stdout
+    assert not any(pid_alive(pid) for _, pid in rows.values())
+
+
+async def start_up() -> tuple[asyncio.subprocess.Process, dict[str, int]]:
+    """Starts `turnrl up` (supervising) and returns it once all four are SERVING, with pids."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "turnrl", "up", *FREE_PORTS, *SHORT_GRACE,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    pids: dict[str, int] = {}
+    async with asyncio.timeout(60):
+        async for raw in process.stdout:
+            line = raw.decode()
+            if match := ROW.search(line):
+                pids[match.group(1)] = int(match.group(3))
+            if "Ctrl-C stops them" in line:
+                break
+    assert set(pids) == set(SERVICE_NAMES)
+    return process, pids
+
+
+async def test_up_stops_everything_when_one_service_dies():
+    process, pids = await start_up()
+    os.kill(pids["rollout"], signal.SIGKILL)
+    async with asyncio.timeout(30):
+        _, stderr = await process.communicate()
+    stderr = stderr.decode()
+    assert process.returncode == 1
+    assert "rollout service" in stderr and "killed by signal 9" in stderr
+    assert not any(pid_alive(pid) for pid in pids.values())
+
+
+async def test_up_stops_cleanly_on_ctrl_c():
+    process, pids = await start_up()
+    process.send_signal(signal.SIGINT)
+    async with asyncio.timeout(30):
+        stdout, stderr = await process.communicate()
+    assert process.returncode == 0, stderr
+    assert "stopping all services" in stdout.decode()
+    assert not any(pid_alive(pid) for pid in pids.values())
+    for name in SERVICE_NAMES:
+        assert f"[{name}]" in stderr.decode() and "shutting down" in stderr.decode()
+
+
+async def test_up_reports_a_service_that_cannot_start():
+    # Two services on one fixed port: the second cannot bind, and up names it and why.
+    from .conftest import serve_subprocess
+
+    async with serve_subprocess("tool") as served:
+        port = served.address.rsplit(":", 1)[1]
+        code, _, stderr = await run_turnrl(
+            "up", "--check", *FREE_PORTS, f"reward.server.port={port}"
+        )
+    assert code == 1
+    assert "reward service" in stderr and "exited with code 1" in stderr
+    assert f"127.0.0.1:{port}" in stderr
+
+
+async def test_up_rejects_a_bad_config_naming_the_key():
+    code, _, stderr = await run_turnrl("up", "--check", "rollout.server.max_message_bytes=-1")
+    assert code == 2
+    assert "rollout.server.max_message_bytes" in stderr
