@@ -418,12 +418,18 @@ async def wait_until_serving(
 async def list_services(channel: grpc.aio.Channel, *, timeout_seconds: float) -> list[str]:
     """Names of the services a server lists over the reflection protocol, sorted."""
     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-    request = reflection_pb2.ServerReflectionRequest(list_services="")
-    call = stub.ServerReflectionInfo(iter([request]), timeout=timeout_seconds)
-    async for reply in call:
-        if reply.HasField("error_response"):
-            raise errors.UnavailableError(
-                f"reflection failed: {reply.error_response.error_message}"
-            )
-        return sorted(s.name for s in reply.list_services_response.service)
-    raise errors.UnavailableError("reflection returned no answer")
+    call = stub.ServerReflectionInfo(timeout=timeout_seconds)
+    # write() rather than a request iterator: when the server ends the call first (a rejected
+    # token), write() surfaces the call's real status instead of a send failure.
+    try:
+        await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+        await call.done_writing()
+    except asyncio.InvalidStateError:
+        pass  # the call is over; read() raises its status
+    reply = await call.read()
+    if reply is grpc.aio.EOF:
+        raise errors.UnavailableError("reflection returned no answer")
+    if reply.HasField("error_response"):
+        raise errors.UnavailableError(f"reflection failed: {reply.error_response.error_message}")
+    call.cancel()
+    return sorted(s.name for s in reply.list_services_response.service)
