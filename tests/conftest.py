@@ -37,9 +37,9 @@ class ServedProcess:
     address: str
 
 
-async def run_turnrl(*args: str, env: dict[str, str] | None = None, timeout_seconds: float = 120.0):
-    """Runs `python -m turnrl ARGS` to completion; returns (exit code, stdout, stderr)."""
-    process = await asyncio.create_subprocess_exec(
+async def spawn_turnrl(*args: str, env: dict[str, str] | None = None):
+    """Starts `python -m turnrl ARGS` with piped stdout and stderr."""
+    return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "turnrl",
@@ -49,6 +49,11 @@ async def run_turnrl(*args: str, env: dict[str, str] | None = None, timeout_seco
         stderr=asyncio.subprocess.PIPE,
         env={**os.environ, **(env or {})},
     )
+
+
+async def run_turnrl(*args: str, env: dict[str, str] | None = None, timeout_seconds: float = 120.0):
+    """Runs `python -m turnrl ARGS` to completion; returns (exit code, stdout, stderr)."""
+    process = await spawn_turnrl(*args, env=env)
     try:
         async with asyncio.timeout(timeout_seconds):
             stdout, stderr = await process.communicate()
@@ -64,20 +69,7 @@ async def serve_subprocess(
     service: str, *overrides: str, env: dict[str, str] | None = None
 ) -> AsyncIterator[ServedProcess]:
     """Starts `turnrl serve SERVICE --port 0` and yields it once it printed its address."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "turnrl",
-        "serve",
-        service,
-        "--port",
-        "0",
-        *overrides,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, **(env or {})},
-    )
+    process = await spawn_turnrl("serve", service, "--port", "0", *overrides, env=env)
     try:
         async with asyncio.timeout(STARTUP_TIMEOUT_SECONDS):
             line = (await process.stdout.readline()).decode().strip()

@@ -4,9 +4,8 @@ import asyncio
 import os
 import re
 import signal
-import sys
 
-from .conftest import EXAMPLE_CONFIG, SERVICE_NAMES, run_turnrl
+from .conftest import EXAMPLE_CONFIG, SERVICE_NAMES, run_turnrl, serve_subprocess, spawn_turnrl
 
 FREE_PORTS = [f"{name}.server.port=0" for name in SERVICE_NAMES]
 SHORT_GRACE = [f"{name}.server.shutdown_grace_seconds=2" for name in SERVICE_NAMES]
@@ -37,12 +36,7 @@ async def test_up_check_starts_checks_and_stops_all_four():
 
 async def start_up() -> tuple[asyncio.subprocess.Process, dict[str, int]]:
     """Starts `turnrl up` (supervising) and returns it once all four are SERVING, with pids."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "turnrl", "up", *FREE_PORTS, *SHORT_GRACE,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+    process = await spawn_turnrl("up", *FREE_PORTS, *SHORT_GRACE)
     pids: dict[str, int] = {}
     async with asyncio.timeout(60):
         async for raw in process.stdout:
@@ -80,8 +74,6 @@ async def test_up_stops_cleanly_on_ctrl_c():
 
 async def test_up_reports_a_service_that_cannot_start():
     # Two services on one fixed port: the second cannot bind, and up names it and why.
-    from .conftest import serve_subprocess
-
     async with serve_subprocess("tool") as served:
         port = served.address.rsplit(":", 1)[1]
         code, _, stderr = await run_turnrl(
