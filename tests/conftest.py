@@ -35,6 +35,7 @@ class ServedProcess:
 
     process: asyncio.subprocess.Process
     address: str
+    metrics_url: str | None = None
 
 
 async def spawn_turnrl(*args: str, env: dict[str, str] | None = None):
@@ -71,12 +72,15 @@ async def serve_subprocess(
     """Starts `turnrl serve SERVICE --port 0` and yields it once it printed its address."""
     process = await spawn_turnrl("serve", service, "--port", "0", *overrides, env=env)
     try:
+        metrics_url = None
         async with asyncio.timeout(STARTUP_TIMEOUT_SECONDS):
-            line = (await process.stdout.readline()).decode().strip()
+            while (line := (await process.stdout.readline()).decode()).startswith("metrics of "):
+                metrics_url = line.rsplit(" ", 1)[-1].strip()
         if not line.startswith("serving "):
             _, stderr = await process.communicate()
             raise AssertionError(f"turnrl serve {service} did not start:\n{stderr.decode()}")
-        yield ServedProcess(process=process, address=line.rsplit(" ", 1)[-1])
+        address = line.strip().rsplit(" ", 1)[-1]
+        yield ServedProcess(process=process, address=address, metrics_url=metrics_url)
     finally:
         if process.returncode is None:
             with contextlib.suppress(ProcessLookupError):

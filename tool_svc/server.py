@@ -1,20 +1,124 @@
-"""gRPC skin of the tool service.
+"""gRPC skin of the tool service: proto -> plain types, await ToolService, plain -> proto.
 
-Every ToolService RPC answers UNIMPLEMENTED until the tool service issue lands: the generated
-base servicer does that, so no caller ever receives a made-up answer. Health and reflection
-are real.
+Errors are raised as `turnrl.errors` exceptions and mapped to status codes by `turnrl.rpc`.
 """
 
+import asyncio
+import datetime
+import json
+
+from google.protobuf import duration_pb2, json_format, timestamp_pb2
+
 from tool_svc.config import ToolConfig
+from tool_svc.service import ToolInfo, ToolService
+from tool_svc.tools.base import ToolResult
 from turnrl import rpc
-from turnrl.v1 import tool_pb2, tool_pb2_grpc
+from turnrl.errors import InvalidArgumentError
+from turnrl.v1 import common_pb2, tool_pb2, tool_pb2_grpc
+
+# Kept back from the caller's deadline, so that a TIMEOUT result or RESOURCE_EXHAUSTED reaches
+# the caller before it gives up on the call, in seconds.
+RESPONSE_MARGIN_SECONDS = 0.05
+
+
+class ToolServicer(tool_pb2_grpc.ToolServiceServicer):
+    """Implements turnrl.v1.ToolService over a ToolService."""
+
+    def __init__(self, service: ToolService) -> None:
+        self._service = service
+
+    async def ListTools(self, request, context):
+        return tool_pb2.ListToolsResponse(
+            tools=[_tool_info_proto(info) for info in self._service.list_tools()]
+        )
+
+    async def CreateSession(self, request, context):
+        _require(request.tool_name, "tool_name")
+        ttl = request.ttl.ToTimedelta().total_seconds() if request.HasField("ttl") else None
+        if ttl is not None and ttl <= 0:
+            raise InvalidArgumentError(f"ttl must be positive, got {ttl!r}s")
+        session_id, ttl_seconds = await self._service.create_session(
+            request.tool_name, json_format.MessageToDict(request.session_kwargs), ttl
+        )
+        expire_time = timestamp_pb2.Timestamp()
+        expire_time.FromDatetime(
+            datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=ttl_seconds)
+        )
+        return tool_pb2.CreateSessionResponse(session_id=session_id, expire_time=expire_time)
+
+    async def Execute(self, request, context):
+        _require(request.tool_name, "tool_name")
+        remaining = context.time_remaining()
+        deadline = (
+            None
+            if remaining is None
+            else asyncio.get_running_loop().time() + remaining - RESPONSE_MARGIN_SECONDS
+        )
+        result = await self._service.execute(
+            request.tool_name, request.arguments, request.session_id, deadline
+        )
+        return tool_pb2.ExecuteResponse(result=_tool_result_proto(result))
+
+    async def CalcReward(self, request, context):
+        _require(request.session_id, "session_id")
+        reward, metrics = await self._service.calc_reward(request.session_id)
+        return tool_pb2.CalcRewardResponse(reward=reward, metrics=metrics)
+
+    async def ReleaseSession(self, request, context):
+        _require(request.session_id, "session_id")
+        released = await self._service.release_session(request.session_id)
+        return tool_pb2.ReleaseSessionResponse(released=released)
 
 
 async def serve(config: ToolConfig) -> None:
-    """Serves the tool service until SIGTERM or SIGINT."""
-    servicer = tool_pb2_grpc.ToolServiceServicer()
-    await rpc.serve(
-        config.server,
-        tool_pb2.DESCRIPTOR.services_by_name["ToolService"],
-        lambda server: tool_pb2_grpc.add_ToolServiceServicer_to_server(servicer, server),
+    """Builds the tools, then serves the tool service until SIGTERM or SIGINT."""
+    service = await ToolService.create(config)
+    try:
+        await rpc.serve(
+            config.server,
+            tool_pb2.DESCRIPTOR.services_by_name["ToolService"],
+            lambda server: tool_pb2_grpc.add_ToolServiceServicer_to_server(
+                ToolServicer(service), server
+            ),
+            metrics=service.metrics.registry,
+        )
+    finally:
+        await service.close()
+
+
+def _require(value: str, field: str) -> None:
+    if not value:
+        raise InvalidArgumentError(f"{field} is required")
+
+
+def _tool_info_proto(info: ToolInfo) -> tool_pb2.ToolInfo:
+    schema = info.schema
+    return tool_pb2.ToolInfo(
+        schema=common_pb2.ToolSchema(
+            name=schema["name"],
+            description=schema.get("description", ""),
+            parameters_json=json.dumps(schema.get("parameters", {})),
+            strict=bool(schema.get("strict", False)),
+        ),
+        max_concurrency=info.limits.max_concurrency,
+        rate_limit_per_second=info.limits.rate_limit_per_second,
+        call_timeout=duration_pb2.Duration(
+            seconds=int(info.limits.call_timeout_seconds),
+            nanos=int(info.limits.call_timeout_seconds % 1 * 1e9),
+        ),
+        requires_session=info.requires_session,
     )
+
+
+def _tool_result_proto(result: ToolResult) -> tool_pb2.ToolResult:
+    proto = tool_pb2.ToolResult(
+        text=result.text,
+        images=[common_pb2.Image(data=i.data, mime_type=i.mime_type) for i in result.images],
+        metrics=result.metrics,
+    )
+    if result.step_reward is not None:
+        proto.step_reward = result.step_reward
+    if result.error_kind is not None:
+        proto.error.kind = tool_pb2.ToolError.Kind.Value(f"KIND_{result.error_kind.value}")
+        proto.error.message = result.text
+    return proto

@@ -69,6 +69,13 @@ class ServerConfig(StrictModel):
         description="Name of an environment variable holding the bearer token every RPC must "
         "carry (health checks excepted). None: no authentication.",
     )
+    metrics_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="Port of the Prometheus /metrics HTTP endpoint, on `host`; 0 picks a free "
+        "one (printed at start). None: no endpoint.",
+    )
 
     def auth_token(self) -> str | None:
         """The bearer token this server requires, read from `auth_token_env`."""

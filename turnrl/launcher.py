@@ -197,7 +197,7 @@ async def _wait_ready(service: ServiceProcess) -> None:
     assert service.process.stdout is not None
     try:
         async with asyncio.timeout(STARTUP_TIMEOUT_SECONDS):
-            line = (await service.process.stdout.readline()).decode().strip()
+            line = await _read_serving_line(service.process.stdout)
             if not line.startswith("serving "):
                 await service.process.wait()
                 if service.log_task is not None:
@@ -213,6 +213,14 @@ async def _wait_ready(service: ServiceProcess) -> None:
             f"{service.name} service (pid {service.process.pid}) did not report SERVING within "
             f"{STARTUP_TIMEOUT_SECONDS:.0f}s"
         ) from None
+
+
+async def _read_serving_line(stdout: asyncio.StreamReader) -> str:
+    """The child's `serving ...` line, past any `metrics of ...` line; "" when it exits first."""
+    while line := (await stdout.readline()).decode():
+        if line.startswith("serving "):
+            return line.strip()
+    return ""
 
 
 def _reachable(host_port: str) -> str:

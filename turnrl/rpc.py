@@ -21,6 +21,7 @@ import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
+from prometheus_client import CollectorRegistry, start_http_server
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from turnrl import errors
@@ -125,12 +126,23 @@ async def serve(
     config: ServerConfig,
     service: ServiceDescriptor,
     add_servicer: Callable[[grpc.aio.Server], None],
+    *,
+    metrics: CollectorRegistry | None = None,
 ) -> None:
     """Serves one service until SIGTERM or SIGINT, then shuts down gracefully.
 
     Prints one line to stdout once serving, `serving <ServiceName> on <host>:<port>`, which
-    launchers and tests read to learn the port when `config.port` is 0.
+    launchers and tests read to learn the port when `config.port` is 0. With
+    `config.metrics_port` set, `metrics` is exposed over HTTP for Prometheus, and a line
+    `metrics of <ServiceName> on http://<host>:<port>/metrics` is printed before it.
     """
+    if config.metrics_port is not None and metrics is not None:
+        # prometheus_client serves from its own daemon thread; it never touches the event loop.
+        http_server, _ = start_http_server(config.metrics_port, addr=config.host, registry=metrics)
+        print(
+            f"metrics of {service.name} on http://{config.host}:{http_server.server_port}/metrics",
+            flush=True,
+        )
     running = await start_server(config, service, add_servicer)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

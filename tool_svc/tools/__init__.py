@@ -1,0 +1,10 @@
+"""Built-in tools, by the name a config's `class_name` uses. A user tool is named by import path."""
+
+from tool_svc.tools.base import Tool
+from tool_svc.tools.calculator import CalculatorTool
+from tool_svc.tools.gsm8k_answer import Gsm8kAnswerTool
+
+TOOLS: dict[str, type[Tool]] = {
+    "calculator": CalculatorTool,
+    "gsm8k_answer": Gsm8kAnswerTool,
+}
