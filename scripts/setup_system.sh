@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # System packages turnrl needs, installed with apt when missing (run by `make setup`).
+#   python3-venv: the project's .venv;  bubblewrap: the tool service's Python sandbox.
 set -euo pipefail
 
 if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
@@ -9,6 +10,7 @@ fi
 
 missing=()
 python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
+command -v bwrap >/dev/null || missing+=(bubblewrap)
 
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then

@@ -80,19 +80,21 @@ class ToolServiceServicer:
     def CreateSession(self, request, context):
         """Creates a session of one tool for one trajectory (state such as a stateful
         interpreter, or the ground truth a grading tool compares with).
-        Returns NOT_FOUND for an unknown tool, INVALID_ARGUMENT for bad session
-        kwargs, RESOURCE_EXHAUSTED when the service's session cap is reached.
+        Returns NOT_FOUND for an unknown tool, INVALID_ARGUMENT for session kwargs
+        the tool rejects or a non-positive ttl, RESOURCE_EXHAUSTED when the service's
+        session cap is reached.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Execute(self, request, context):
-        """Runs one tool call. Returns OK with `result.error` set when the call fails
-        on its arguments, times out, or is killed; RESOURCE_EXHAUSTED when the call
-        cannot start before its deadline (tool queue full); NOT_FOUND for an unknown
-        session; INVALID_ARGUMENT when the request itself is malformed (arguments
-        larger than the configured maximum).
+        """Runs one tool call. Returns OK with `result.error` set for every failure the
+        model should read: malformed or oversized arguments, an unknown tool or
+        session, a rate limit, a timeout, a crash or sandbox kill. Returns
+        RESOURCE_EXHAUSTED when the call cannot start before the caller's deadline
+        (the tool's queue is full, or no slot frees up in time), INVALID_ARGUMENT
+        when `tool_name` is empty.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

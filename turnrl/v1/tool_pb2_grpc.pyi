@@ -44,15 +44,17 @@ class ToolServiceStub:
     CreateSession: _grpc.UnaryUnaryMultiCallable[_tool_pb2.CreateSessionRequest, _tool_pb2.CreateSessionResponse]
     """Creates a session of one tool for one trajectory (state such as a stateful
     interpreter, or the ground truth a grading tool compares with).
-    Returns NOT_FOUND for an unknown tool, INVALID_ARGUMENT for bad session
-    kwargs, RESOURCE_EXHAUSTED when the service's session cap is reached.
+    Returns NOT_FOUND for an unknown tool, INVALID_ARGUMENT for session kwargs
+    the tool rejects or a non-positive ttl, RESOURCE_EXHAUSTED when the service's
+    session cap is reached.
     """
     Execute: _grpc.UnaryUnaryMultiCallable[_tool_pb2.ExecuteRequest, _tool_pb2.ExecuteResponse]
-    """Runs one tool call. Returns OK with `result.error` set when the call fails
-    on its arguments, times out, or is killed; RESOURCE_EXHAUSTED when the call
-    cannot start before its deadline (tool queue full); NOT_FOUND for an unknown
-    session; INVALID_ARGUMENT when the request itself is malformed (arguments
-    larger than the configured maximum).
+    """Runs one tool call. Returns OK with `result.error` set for every failure the
+    model should read: malformed or oversized arguments, an unknown tool or
+    session, a rate limit, a timeout, a crash or sandbox kill. Returns
+    RESOURCE_EXHAUSTED when the call cannot start before the caller's deadline
+    (the tool's queue is full, or no slot frees up in time), INVALID_ARGUMENT
+    when `tool_name` is empty.
     """
     CalcReward: _grpc.UnaryUnaryMultiCallable[_tool_pb2.CalcRewardRequest, _tool_pb2.CalcRewardResponse]
     """Computes a session's trajectory-level reward (what verl's `calc_reward` does).
@@ -76,15 +78,17 @@ class ToolServiceAsyncStub(ToolServiceStub):
     CreateSession: _aio.UnaryUnaryMultiCallable[_tool_pb2.CreateSessionRequest, _tool_pb2.CreateSessionResponse]  # type: ignore[assignment]
     """Creates a session of one tool for one trajectory (state such as a stateful
     interpreter, or the ground truth a grading tool compares with).
-    Returns NOT_FOUND for an unknown tool, INVALID_ARGUMENT for bad session
-    kwargs, RESOURCE_EXHAUSTED when the service's session cap is reached.
+    Returns NOT_FOUND for an unknown tool, INVALID_ARGUMENT for session kwargs
+    the tool rejects or a non-positive ttl, RESOURCE_EXHAUSTED when the service's
+    session cap is reached.
     """
     Execute: _aio.UnaryUnaryMultiCallable[_tool_pb2.ExecuteRequest, _tool_pb2.ExecuteResponse]  # type: ignore[assignment]
-    """Runs one tool call. Returns OK with `result.error` set when the call fails
-    on its arguments, times out, or is killed; RESOURCE_EXHAUSTED when the call
-    cannot start before its deadline (tool queue full); NOT_FOUND for an unknown
-    session; INVALID_ARGUMENT when the request itself is malformed (arguments
-    larger than the configured maximum).
+    """Runs one tool call. Returns OK with `result.error` set for every failure the
+    model should read: malformed or oversized arguments, an unknown tool or
+    session, a rate limit, a timeout, a crash or sandbox kill. Returns
+    RESOURCE_EXHAUSTED when the call cannot start before the caller's deadline
+    (the tool's queue is full, or no slot frees up in time), INVALID_ARGUMENT
+    when `tool_name` is empty.
     """
     CalcReward: _aio.UnaryUnaryMultiCallable[_tool_pb2.CalcRewardRequest, _tool_pb2.CalcRewardResponse]  # type: ignore[assignment]
     """Computes a session's trajectory-level reward (what verl's `calc_reward` does).
@@ -117,8 +121,9 @@ class ToolServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_tool_pb2.CreateSessionResponse, _abc.Awaitable[_tool_pb2.CreateSessionResponse]]:
         """Creates a session of one tool for one trajectory (state such as a stateful
         interpreter, or the ground truth a grading tool compares with).
-        Returns NOT_FOUND for an unknown tool, INVALID_ARGUMENT for bad session
-        kwargs, RESOURCE_EXHAUSTED when the service's session cap is reached.
+        Returns NOT_FOUND for an unknown tool, INVALID_ARGUMENT for session kwargs
+        the tool rejects or a non-positive ttl, RESOURCE_EXHAUSTED when the service's
+        session cap is reached.
         """
 
     @_abc_1.abstractmethod
@@ -127,11 +132,12 @@ class ToolServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _tool_pb2.ExecuteRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_tool_pb2.ExecuteResponse, _abc.Awaitable[_tool_pb2.ExecuteResponse]]:
-        """Runs one tool call. Returns OK with `result.error` set when the call fails
-        on its arguments, times out, or is killed; RESOURCE_EXHAUSTED when the call
-        cannot start before its deadline (tool queue full); NOT_FOUND for an unknown
-        session; INVALID_ARGUMENT when the request itself is malformed (arguments
-        larger than the configured maximum).
+        """Runs one tool call. Returns OK with `result.error` set for every failure the
+        model should read: malformed or oversized arguments, an unknown tool or
+        session, a rate limit, a timeout, a crash or sandbox kill. Returns
+        RESOURCE_EXHAUSTED when the call cannot start before the caller's deadline
+        (the tool's queue is full, or no slot frees up in time), INVALID_ARGUMENT
+        when `tool_name` is empty.
         """
 
     @_abc_1.abstractmethod
