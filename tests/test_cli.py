@@ -32,22 +32,46 @@ async def test_health_fails_for_an_unknown_service_name():
     assert "NOT_FOUND" in stderr
 
 
-async def test_tool_and_score_clients_say_what_the_service_answered():
-    async with serve_subprocess("tool") as tool, serve_subprocess("reward") as reward:
-        results = await asyncio.gather(
+async def test_tool_list_and_call_print_json():
+    async with serve_subprocess("tool", "tool.tools=[{class_name: calculator}]") as tool:
+        listed, called, failed = await asyncio.gather(
             run_turnrl("tool", "list", "--addr", tool.address),
-            run_turnrl("tool", "call", "calculator", '{"expression": "1+1"}', "--addr", tool.address),
             run_turnrl(
-                "score", "--addr", reward.address, "--data-source", "openai/gsm8k",
-                "--ground-truth", "42", "--response", "#### 42",
+                "tool", "call", "calculator", '{"expression": "6*7"}', "--addr", tool.address
             ),
+            run_turnrl("tool", "call", "calculator", '{"expression": "x"}', "--addr", tool.address),
+        )
+    code, stdout, _ = listed
+    assert code == 0
+    (calculator,) = json.loads(stdout)
+    assert calculator["function"]["name"] == "calculator"
+    assert calculator["function"]["parameters"]["required"] == ["expression"]
+    assert calculator["limits"]["max_concurrency"] == 16
+    assert called[0] == 0 and json.loads(called[1]) == {"text": "42"}
+    code, stdout, _ = failed
+    assert code == 1  # a tool error exits non-zero, with the result still printed
+    assert json.loads(stdout)["error"]["kind"] == "KIND_INVALID_ARGUMENTS"
+
+
+async def test_tool_call_in_a_session():
+    async with serve_subprocess("tool", "tool.tools=[{class_name: gsm8k_answer}]") as tool:
+        code, stdout, _ = await run_turnrl(
+            "tool", "call", "gsm8k_answer", '{"answer": "18"}', "--addr", tool.address,
+            "--session-kwargs", '{"ground_truth": "#### 18"}',
         )  # fmt: skip
-    for (code, stdout, stderr), method in zip(
-        results, ["ListTools", "Execute", "Score"], strict=True
-    ):
-        assert code == 1
-        assert stdout == ""
-        assert f"{method} at 127.0.0.1:" in stderr and "UNIMPLEMENTED" in stderr
+    assert code == 0
+    assert json.loads(stdout)["text"] == "Your answer 18 is correct."
+
+
+async def test_score_client_says_what_the_service_answered():
+    async with serve_subprocess("reward") as reward:
+        code, stdout, stderr = await run_turnrl(
+            "score", "--addr", reward.address, "--data-source", "openai/gsm8k",
+            "--ground-truth", "42", "--response", "#### 42",
+        )  # fmt: skip
+    assert code == 1
+    assert stdout == ""
+    assert "Score at 127.0.0.1:" in stderr and "UNIMPLEMENTED" in stderr
 
 
 async def test_score_reads_a_jsonl_input_and_rejects_bad_lines(tmp_path):

@@ -3,8 +3,12 @@
 from tool_svc.tools.base import Tool
 from tool_svc.tools.calculator import CalculatorTool
 from tool_svc.tools.gsm8k_answer import Gsm8kAnswerTool
+from tool_svc.tools.sandbox_fusion import SandboxFusionTool
+from tool_svc.tools.search import SearchTool
 
 TOOLS: dict[str, type[Tool]] = {
     "calculator": CalculatorTool,
     "gsm8k_answer": Gsm8kAnswerTool,
+    "sandbox_fusion": SandboxFusionTool,
+    "search": SearchTool,
 }
