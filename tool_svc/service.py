@@ -321,6 +321,9 @@ async def _build(entry: ToolEntry, index: int) -> list[Tool]:
         raise ConfigError(
             f"tool.tools[{index}] ({entry.class_name}): bad config: {problems}"
         ) from None
+    except (ValueError, RuntimeError, OSError) as e:
+        # A tool that cannot start (no sandbox, an MCP server that fails) stops the service.
+        raise ConfigError(f"tool.tools[{index}] ({entry.class_name}) cannot start: {e}") from e
 
 
 def _resolve_class(class_name: str, index: int) -> type[Tool]:

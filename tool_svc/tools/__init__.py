@@ -3,12 +3,14 @@
 from tool_svc.tools.base import Tool
 from tool_svc.tools.calculator import CalculatorTool
 from tool_svc.tools.gsm8k_answer import Gsm8kAnswerTool
+from tool_svc.tools.mcp import McpTool
 from tool_svc.tools.sandbox_fusion import SandboxFusionTool
 from tool_svc.tools.search import SearchTool
 
 TOOLS: dict[str, type[Tool]] = {
     "calculator": CalculatorTool,
     "gsm8k_answer": Gsm8kAnswerTool,
+    "mcp": McpTool,
     "sandbox_fusion": SandboxFusionTool,
     "search": SearchTool,
 }
