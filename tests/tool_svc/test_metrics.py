@@ -1,0 +1,48 @@
+"""The tool service's Prometheus endpoint, scraped from a real `turnrl serve tool` process."""
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import serve_subprocess
+from turnrl import rpc
+from turnrl.config import ClientConfig
+from turnrl.v1 import tool_pb2, tool_pb2_grpc
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+async def test_metrics_count_calls_errors_and_sessions():
+    tools = "tool.tools=[{class_name: calculator}, {class_name: gsm8k_answer}]"
+    async with serve_subprocess("tool", tools, "tool.server.metrics_port=0") as served:
+        assert served.metrics_url is not None
+        async with rpc.open_channel(ClientConfig(address=served.address)) as channel:
+            stub = tool_pb2_grpc.ToolServiceStub(channel)
+            for arguments in ['{"expression": "1+1"}', '{"expression": "2*3"}', "{bad"]:
+                await stub.Execute(
+                    tool_pb2.ExecuteRequest(tool_name="calculator", arguments=arguments), timeout=5
+                )
+            await stub.CreateSession(
+                tool_pb2.CreateSessionRequest(
+                    tool_name="gsm8k_answer", session_kwargs={"ground_truth": "1"}
+                ),
+                timeout=5,
+            )
+        async with httpx.AsyncClient() as client:
+            scraped = samples((await client.get(served.metrics_url, timeout=5)).text)
+    calculator = (("tool", "calculator"),)
+    assert scraped[("turnrl_tool_calls_total", calculator)] == 3
+    assert (
+        scraped[
+            ("turnrl_tool_errors_total", (("kind", "INVALID_ARGUMENTS"), ("tool", "calculator")))
+        ]
+        == 1
+    )
+    assert scraped[("turnrl_tool_call_seconds_count", calculator)] == 3
+    assert scraped[("turnrl_tool_live_sessions", (("tool", "gsm8k_answer"),))] == 1
+    assert scraped[("turnrl_tool_queue_depth", calculator)] == 0
