@@ -183,10 +183,14 @@ def _scoring_input(args: argparse.Namespace, item: dict[str, Any]) -> reward_pb2
 
 def _read_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_bytes().splitlines()
     except OSError as e:
         raise ConfigError(f"cannot read --input {str(path)!r}: {e.strerror}") from e
-    for number, line in enumerate(lines, start=1):
+    for number, raw in enumerate(lines, start=1):
+        try:
+            line = raw.decode()
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}:{number}: not valid UTF-8 at byte {e.start}") from None
         if not line.strip():
             continue
         try:
