@@ -21,7 +21,9 @@ from turnrl.config import ClientConfig
 from turnrl.v1 import tool_pb2, tool_pb2_grpc
 
 TOOLS_OVERRIDE = "tool.tools=[{class_name: calculator}, {class_name: python}]"
-CALCULATOR = tool_pb2.ExecuteRequest(tool_name="calculator", arguments='{"expression": "(3 + 4.5) * 2"}')
+CALCULATOR = tool_pb2.ExecuteRequest(
+    tool_name="calculator", arguments='{"expression": "(3 + 4.5) * 2"}'
+)
 SANDBOX = tool_pb2.ExecuteRequest(tool_name="python", arguments='{"code": "print(6 * 7)"}')
 
 
@@ -97,9 +99,13 @@ async def main() -> None:
         "python_p50_ms": percentile_ms(sandbox, 50),
         "python_p99_ms": percentile_ms(sandbox, 99),
     }
-    print(f"calculator, 1 client: p50 {figures['calculator_p50_ms']} ms, p99 {figures['calculator_p99_ms']} ms, {single:.0f} calls/s")
+    print(
+        f"calculator, 1 client: p50 {figures['calculator_p50_ms']} ms, p99 {figures['calculator_p99_ms']} ms, {single:.0f} calls/s"
+    )
     print(f"calculator, 64 clients: {concurrent:.0f} calls/s")
-    print(f"python sandbox, print(6 * 7): p50 {figures['python_p50_ms']} ms, p99 {figures['python_p99_ms']} ms")
+    print(
+        f"python sandbox, print(6 * 7): p50 {figures['python_p50_ms']} ms, p99 {figures['python_p99_ms']} ms"
+    )
     print(json.dumps(figures))
 
 

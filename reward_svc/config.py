@@ -1,8 +1,43 @@
-"""The `reward:` section of a turnrl config."""
+"""The `reward:` section of a turnrl config: workers, per-item limits, plugins and judges."""
 
-from pydantic import Field
+from pathlib import Path
+from typing import Self
 
+from pydantic import Field, model_validator
+
+from reward_svc.scorers.code import CodeScorerOptions
+from reward_svc.scorers.judge import JudgeOptions
 from turnrl.config import DEFAULT_PORTS, ServerConfig, StrictModel
+
+
+class PluginEntry(StrictModel):
+    """A user scorer (verl's `custom_reward_function`): a function `score(request) -> Score`
+    in a Python file or an importable module, serving the listed data sources."""
+
+    data_sources: list[str] = Field(min_length=1, description="data_source values it scores.")
+    path: Path | None = Field(default=None, description="A Python file holding the function.")
+    module: str | None = Field(default=None, description="An importable module holding it.")
+    function: str = Field(default="compute_score", description="The function's name.")
+
+    @model_validator(mode="after")
+    def _one_location(self) -> Self:
+        if (self.path is None) == (self.module is None):
+            raise ValueError("set exactly one of path and module")
+        return self
+
+
+class CompositePart(StrictModel):
+    """One built-in rule scorer inside a weighted sum."""
+
+    scorer: str = Field(description="Rule scorer name: gsm8k, math, search_em, search_f1, format.")
+    weight: float = Field(description="Its weight in the sum.")
+
+
+class CompositeEntry(StrictModel):
+    """A reward that is a weighted sum of rule scorers, e.g. 0.9 * gsm8k + 0.1 * format."""
+
+    data_sources: list[str] = Field(min_length=1, description="data_source values it scores.")
+    parts: list[CompositePart] = Field(min_length=1, description="The scorers and weights.")
 
 
 class RewardConfig(StrictModel):
@@ -11,4 +46,40 @@ class RewardConfig(StrictModel):
     server: ServerConfig = Field(
         default_factory=lambda: ServerConfig(port=DEFAULT_PORTS["reward"]),
         description="Where and how the reward service listens.",
+    )
+    workers: int = Field(
+        default=2, ge=1, description="Scorer worker processes (rule scorers and plugins run there)."
+    )
+    item_timeout_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        description="Time one item may spend in a rule scorer or plugin, in seconds.",
+    )
+    io_item_timeout_seconds: float = Field(
+        default=120.0,
+        gt=0,
+        description="Outer bound on one item in the code scorer or a judge, in seconds; they "
+        "apply their own tighter limits (the sandbox's, the judge's request timeout).",
+    )
+    max_concurrency: int = Field(
+        default=256, ge=1, description="Items scored at once across all calls; more wait."
+    )
+    error_score: float = Field(
+        default=0.0, description="Score of an item whose scorer failed (extras.error says why)."
+    )
+    max_response_bytes: int = Field(
+        default=1024 * 1024,
+        gt=0,
+        description="Largest response_text scored, in UTF-8 bytes; longer is an error result.",
+    )
+    plugins: list[PluginEntry] = Field(default_factory=list, description="User scorers.")
+    composites: list[CompositeEntry] = Field(
+        default_factory=list, description="Weighted sums of rule scorers."
+    )
+    code: CodeScorerOptions = Field(
+        default_factory=CodeScorerOptions,
+        description="The code scorer: test cases run in the tool service's python sandbox.",
+    )
+    judges: list[JudgeOptions] = Field(
+        default_factory=list, description="LLM judges (generative reward models)."
     )

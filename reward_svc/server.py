@@ -1,20 +1,103 @@
-"""gRPC skin of the reward service.
+"""gRPC skin of the reward service: proto -> plain types, await RewardService, plain -> proto.
 
-Every RewardService RPC answers UNIMPLEMENTED until the reward service issue lands: the generated
-base servicer does that, so no caller ever receives a made-up answer. Health and reflection
-are real.
+Errors are raised as `turnrl.errors` exceptions and mapped to status codes by `turnrl.rpc`.
 """
 
+import json
+from collections.abc import AsyncIterator
+
+from google.protobuf import json_format, struct_pb2
+
 from reward_svc.config import RewardConfig
+from reward_svc.scorers.base import ScoringRequest
+from reward_svc.service import RewardService, ScoringResult
 from turnrl import rpc
-from turnrl.v1 import reward_pb2, reward_pb2_grpc
+from turnrl.errors import InvalidArgumentError
+from turnrl.messages import message_to_dict
+from turnrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+
+
+class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
+    """Implements turnrl.v1.RewardService over a RewardService."""
+
+    def __init__(self, service: RewardService) -> None:
+        self._service = service
+
+    async def Score(self, request, context):
+        item = _scoring_request(request.input)
+        self._service.check_data_source(item.data_source)
+        result = await self._service.score(item)
+        return reward_pb2.ScoreResponse(result=_result_proto(result))
+
+    async def ScoreBatch(self, request_iterator, context):
+        async def items() -> AsyncIterator[tuple[str, ScoringRequest]]:
+            async for request in request_iterator:
+                yield request.item_id, _scoring_request(request.input)
+
+        async for item_id, result in self._service.score_stream(items()):
+            yield reward_pb2.ScoreBatchResponse(item_id=item_id, result=_result_proto(result))
+
+    async def ListScorers(self, request, context):
+        return reward_pb2.ListScorersResponse(
+            scorers=[
+                reward_pb2.ScorerInfo(
+                    name=route.name,
+                    data_sources=sources,
+                    description=route.description,
+                    generative=route.generative,
+                )
+                for route, sources in self._service.list_scorers()
+            ]
+        )
 
 
 async def serve(config: RewardConfig) -> None:
-    """Serves the reward service until SIGTERM or SIGINT."""
-    servicer = reward_pb2_grpc.RewardServiceServicer()
-    await rpc.serve(
-        config.server,
-        reward_pb2.DESCRIPTOR.services_by_name["RewardService"],
-        lambda server: reward_pb2_grpc.add_RewardServiceServicer_to_server(servicer, server),
+    """Starts the scorer workers, then serves the reward service until SIGTERM or SIGINT."""
+    service = await RewardService.create(config)
+    try:
+        await rpc.serve(
+            config.server,
+            reward_pb2.DESCRIPTOR.services_by_name["RewardService"],
+            lambda server: reward_pb2_grpc.add_RewardServiceServicer_to_server(
+                RewardServicer(service), server
+            ),
+        )
+    finally:
+        await service.close()
+
+
+def _scoring_request(scoring_input: reward_pb2.ScoringInput) -> ScoringRequest:
+    if not scoring_input.data_source:
+        raise InvalidArgumentError("input.data_source is required")
+    try:
+        messages = [message_to_dict(m) for m in scoring_input.messages]
+    except ValueError as e:
+        raise InvalidArgumentError(f"input.messages: {e}") from None
+    ground_truth = (
+        json_format.MessageToDict(scoring_input.ground_truth)
+        if scoring_input.HasField("ground_truth")
+        else None
+    )
+    return ScoringRequest(
+        data_source=scoring_input.data_source,
+        response_text=scoring_input.response_text,
+        messages=messages,
+        ground_truth=ground_truth,
+        extra_info=json_format.MessageToDict(scoring_input.extra_info),
+    )
+
+
+def _result_proto(result: ScoringResult) -> reward_pb2.ScoringResult:
+    extras = struct_pb2.Struct()
+    # Round-trip through JSON: scorers may return numbers of other types (numpy, Decimal).
+    extras.update(json.loads(json.dumps(result.score.extras, default=str)))
+    return reward_pb2.ScoringResult(
+        reward=common_pb2.Reward(
+            score=result.score.score,
+            extras=extras,
+            error=result.error is not None,
+            error_message=result.error or "",
+        ),
+        scorer=result.scorer,
+        elapsed_seconds=result.elapsed_seconds,
     )

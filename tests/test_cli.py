@@ -63,15 +63,49 @@ async def test_tool_call_in_a_session():
     assert json.loads(stdout)["text"] == "Your answer 18 is correct."
 
 
-async def test_score_client_says_what_the_service_answered():
+async def test_score_prints_one_json_object_per_item(tmp_path):
+    batch = tmp_path / "items.jsonl"
+    batch.write_text(
+        '{"response": "#### 42", "ground_truth": "42"}\n'
+        '{"response": "#### 41", "ground_truth": "42"}\n'
+        '{"response": "<answer>Paris</answer>", "ground_truth": ["paris"], "data_source": "nq"}\n'
+    )
     async with serve_subprocess("reward") as reward:
-        code, stdout, stderr = await run_turnrl(
-            "score", "--addr", reward.address, "--data-source", "openai/gsm8k",
-            "--ground-truth", "42", "--response", "#### 42",
+        single, many, unknown = await asyncio.gather(
+            run_turnrl(
+                "score", "--addr", reward.address, "--data-source", "openai/gsm8k",
+                "--ground-truth", "42", "--response", "The answer is #### 42",
+            ),
+            run_turnrl(
+                "score", "--addr", reward.address, "--data-source", "openai/gsm8k",
+                "--input", str(batch),
+            ),
+            run_turnrl(
+                "score", "--addr", reward.address, "--data-source", "gsm8k_v2", "--response", "1",
+            ),
         )  # fmt: skip
+    code, stdout, _ = single
+    assert code == 0
+    result = json.loads(stdout)
+    assert result["score"] == 1.0 and result["scorer"] == "gsm8k" and not result["error"]
+    assert result["extras"]["extracted"] == "42"
+    code, stdout, _ = many
+    assert code == 0
+    scores = {item["item_id"]: item["score"] for item in map(json.loads, stdout.splitlines())}
+    assert scores == {"1": 1.0, "2": 0.0, "3": 1.0}
+    code, _, stderr = unknown
     assert code == 1
-    assert stdout == ""
-    assert "Score at 127.0.0.1:" in stderr and "UNIMPLEMENTED" in stderr
+    assert "INVALID_ARGUMENT" in stderr and "unknown data_source 'gsm8k_v2'" in stderr
+
+
+async def test_score_input_with_invalid_utf8_names_the_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"response": "ok"}\n{"response": "caf\xe9"}\n')
+    code, _, stderr = await run_turnrl(
+        "score", "--data-source", "openai/gsm8k", "--input", str(bad), "--addr", "127.0.0.1:1"
+    )
+    assert code == 2
+    assert f"{bad}:2: not valid UTF-8" in stderr
 
 
 async def test_score_reads_a_jsonl_input_and_rejects_bad_lines(tmp_path):

@@ -27,7 +27,7 @@ TOKEN = "serve-test-token"
 GRACE_SECONDS = 3.0
 # One unary RPC of each service, called to show that auth guards it; services whose issue has
 # not landed yet answer it honestly with UNIMPLEMENTED.
-IMPLEMENTED = {"tool"}
+IMPLEMENTED = {"tool", "reward"}
 UNARY_PROBES = {
     "tool": lambda ch: tool_pb2_grpc.ToolServiceStub(ch).ListTools(tool_pb2.ListToolsRequest()),
     "reward": lambda ch: reward_pb2_grpc.RewardServiceStub(ch).ListScorers(

@@ -1,0 +1,449 @@
+"""`LlmJudge`: a generative reward model, an LLM that grades a response through a rubric.
+
+The judge is any OpenAI-compatible server (vLLM, SGLang, a hosted API):
+`POST {base_url}/chat/completions` with `{model, messages, temperature, max_tokens, n}`,
+answered by `{choices: [{message: {content}}]}`. The rubric is a prompt template; the judge's
+texts are parsed into scores in [0, 1]:
+- `score_out_of`: the last `Score: 7/10`, `Rating: 7 / 10`, `7 out of 10` or bare `7/10`,
+  divided by its denominator; a labelled score without one (`Score: 7`, MT-Bench's
+  `Rating: [[7]]`) is divided by `max_score`.
+- `boxed`: the last `\\boxed{x}`, x a number (divided by `max_score`) or a fraction `a/b`.
+- `yes_no`: the last verdict, labelled (`Verdict: YES`, `Answer: incorrect`) or alone on its
+  line (`**No**`): yes/correct is 1.0, no/incorrect 0.0.
+A score outside its range (`12/10`) counts as unparsed.
+
+Pairwise mode compares the response with `extra_info["reference_response"]` and reads
+MT-Bench's verdicts `[[A]]`, `[[B]]`, `[[C]]` (tie): a win is 1.0, a tie 0.5, a loss 0.0. With
+`swap_positions` it also asks with the two swapped; both orders' samples are pooled, which
+cancels a judge's preference for one position.
+
+`samples` k > 1 is one request with `n=k`: part of the OpenAI API, served by vLLM and SGLang
+from one prompt prefill, and one semaphore slot instead of k. Parse failures are dropped from
+the aggregate and counted in the extras. A failed call (unreachable, timeout, HTTP error,
+malformed body), or samples none of which parse, yields `default_score` with extras["error"];
+a request the rubric cannot be filled from (no user message, no reference) raises ValueError.
+"""
+
+import asyncio
+import json
+import re
+import statistics
+import string
+from collections import Counter
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, Literal, Self
+
+import httpx
+import tenacity
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from reward_svc.scorers.base import Score, ScoringRequest
+from turnrl.config import StrictModel, read_secret_env
+
+POINTWISE_PLACEHOLDERS = frozenset({"question", "response", "reference"})
+PAIRWISE_PLACEHOLDERS = frozenset({"question", "response_a", "response_b"})
+MAX_RAW_CHARS = 500
+MAX_ERROR_BODY_CHARS = 200
+RETRY_BASE_SECONDS = 0.1
+RETRY_MAX_SECONDS = 2.0
+
+_NUMBER = r"\d+(?:\.\d+)?"
+# `7/10`, `7 / 10`, `7 out of 10`, not part of a date or path (`2023/10/05`); or a labelled
+# score with no denominator (`Score: 7`, `Rating: [[7]]`), which `max_score` divides.
+_SCORE_OUT_OF = re.compile(
+    rf"(?<![\w./])(?P<value>{_NUMBER})\s*(?:/|out of)\s*(?P<out_of>{_NUMBER})(?![\d/]|\.\d)"
+    rf"|\b(?:score|rating)\b(?:\s+is)?[\s*:=\[]*(?P<bare>{_NUMBER})(?!\d|\.\d|\s*(?:/|out of))",
+    re.IGNORECASE,
+)
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_BOXED_CONTENT = re.compile(rf"(?P<value>{_NUMBER})(?:\s*/\s*(?P<out_of>{_NUMBER}))?")
+# A verdict after a label, or alone on its line with markdown or punctuation around it.
+_YES_NO = re.compile(
+    r"\b(?:verdict|judgement|judgment|decision|grade|answer)\b(?:\s+is)?[\s*:=\[]*"
+    r"(?P<labelled>yes|no|correct|incorrect)\b"
+    r"|^[\s*_\[\]#>.:-]*(?P<alone>yes|no|correct|incorrect)[\s*_\[\].!:]*$",
+    re.IGNORECASE | re.MULTILINE,
+)
+_VERDICT_SCORES = {"yes": 1.0, "correct": 1.0, "no": 0.0, "incorrect": 0.0}
+_PAIRWISE_VERDICT = re.compile(r"\[\[(A|B|C|tie)\]\]", re.IGNORECASE)
+
+
+class JudgeOptions(StrictModel):
+    """Which items an LLM judge grades, the server it calls, the rubric and how answers parse."""
+
+    name: str = Field(min_length=1, description="Name of this judge in logs and config.")
+    data_sources: list[str] = Field(
+        min_length=1, description="The `data_source` values of the items this judge grades."
+    )
+    base_url: str = Field(
+        pattern=r"^https?://",
+        description="Base URL of an OpenAI-compatible server, e.g. 'http://127.0.0.1:8000/v1'; "
+        "calls POST {base_url}/chat/completions.",
+    )
+    model: str = Field(description="Model name sent in each request.")
+    api_key_env: str | None = Field(
+        default=None,
+        description="Name of an environment variable holding the API key, sent as "
+        "'Authorization: Bearer <key>'. None: no key.",
+    )
+    request_timeout_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description="Limit of one judge call, retries included, in seconds; waiting for a "
+        "concurrency slot is not counted.",
+    )
+    max_retries: int = Field(
+        default=2,
+        ge=0,
+        description="Retries of a call after a connection error or an HTTP 429 or 5xx answer, "
+        "with exponential back-off, within request_timeout_seconds.",
+    )
+    max_concurrency: int = Field(
+        default=8, ge=1, description="Calls to the server in flight at once, over all items."
+    )
+    temperature: float = Field(default=0.0, ge=0, le=2, description="Sampling temperature.")
+    max_tokens: int = Field(default=512, ge=1, description="Longest judge answer, in tokens.")
+    rubric: str = Field(
+        description="Prompt template, sent as the user message. Pointwise: placeholders "
+        "{question} (first user message), {response} (required) and {reference} (the ground "
+        "truth as text); pairwise: {question}, {response_a} and {response_b} (both required). "
+        "Literal braces are doubled: {{ }}."
+    )
+    system_prompt: str | None = Field(
+        default=None, description="System message sent before the rubric; None: none."
+    )
+    parse: Literal["score_out_of", "boxed", "yes_no"] = Field(
+        default="score_out_of",
+        description="How a pointwise answer becomes a score in [0, 1]: the last 'Score: 7/10' "
+        "('score_out_of'), the last \\boxed{x} ('boxed') or the last yes/no verdict ('yes_no').",
+    )
+    max_score: float = Field(
+        default=10.0,
+        gt=0,
+        description="Top of the judge's scale when its score has no denominator ('Score: 7', "
+        "\\boxed{7}); a score is divided by it.",
+    )
+    samples: int = Field(
+        default=1, ge=1, description="Judge answers per prompt (k), requested as n=k."
+    )
+    aggregate: Literal["mean", "majority"] = Field(
+        default="mean",
+        description="How parsed samples become one score: their mean, or their most common "
+        "value ('majority'; a tie gives the mean of the tied values).",
+    )
+    default_score: float = Field(
+        default=0.0,
+        description="Score when the call fails or no sample parses; extras['error'] says why.",
+    )
+    pairwise: bool = Field(
+        default=False,
+        description="Compare the response with extra_info['reference_response'] instead of "
+        "grading it alone; verdicts [[A]], [[B]], [[C]] (tie) score 1.0, 0.0, 0.5.",
+    )
+    swap_positions: bool = Field(
+        default=False,
+        description="Pairwise only: ask a second time with the responses swapped and pool both "
+        "orders' samples, to cancel position bias. Doubles the calls.",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        allowed, required = (
+            (PAIRWISE_PLACEHOLDERS, {"response_a", "response_b"})
+            if self.pairwise
+            else (POINTWISE_PLACEHOLDERS, {"response"})
+        )
+        mode = "pairwise" if self.pairwise else "pointwise"
+        placeholders = rubric_placeholders(self.rubric)
+        if unknown := placeholders - allowed:
+            raise ValueError(
+                f"rubric has unknown placeholders {sorted(unknown)!r}; a {mode} rubric may use "
+                f"{sorted(allowed)!r} (double literal braces: {{{{ }}}})"
+            )
+        if missing := required - placeholders:
+            raise ValueError(f"a {mode} rubric must contain {sorted(missing)!r}")
+        if self.pairwise and {"parse", "max_score"} & self.model_fields_set:
+            raise ValueError(
+                "parse and max_score apply to pointwise grading; pairwise verdicts are "
+                "[[A]], [[B]], [[C]]"
+            )
+        if self.swap_positions and not self.pairwise:
+            raise ValueError("swap_positions needs pairwise: true")
+        if self.samples > 1 and self.temperature == 0:
+            raise ValueError(
+                f"samples={self.samples} at temperature 0 asks for {self.samples} copies of one "
+                "greedy answer; set temperature > 0, or samples to 1"
+            )
+        return self
+
+
+def rubric_placeholders(rubric: str) -> set[str]:
+    """The field names of a `str.format` template; ValueError when it is malformed."""
+    try:
+        fields = [field for _, field, _, _ in string.Formatter().parse(rubric)]
+    except ValueError as e:
+        raise ValueError(f"rubric is not a valid template ({e}); double literal braces") from None
+    return {field for field in fields if field is not None}
+
+
+def parse_score_out_of(text: str, max_score: float) -> float | None:
+    """The last `7/10`-style score in `text`, in [0, 1]; None when none is there or in range."""
+    matches = list(_SCORE_OUT_OF.finditer(text))
+    if not matches:
+        return None
+    last = matches[-1]
+    if last["bare"] is not None:
+        return _normalised(float(last["bare"]), max_score)
+    return _normalised(float(last["value"]), float(last["out_of"]))
+
+
+def parse_boxed(text: str, max_score: float) -> float | None:
+    """The last `\\boxed{x}` in `text` over `max_score` (or its own `a/b`), in [0, 1]."""
+    boxes = _BOXED.findall(text)
+    if not boxes or not (content := _BOXED_CONTENT.fullmatch(boxes[-1].strip())):
+        return None
+    if content["out_of"] is not None:
+        return _normalised(float(content["value"]), float(content["out_of"]))
+    return _normalised(float(content["value"]), max_score)
+
+
+def parse_yes_no(text: str, max_score: float) -> float | None:
+    """1.0 or 0.0 from the last yes/no (correct/incorrect) verdict in `text`; `max_score` unused."""
+    matches = list(_YES_NO.finditer(text))
+    if not matches:
+        return None
+    verdict = matches[-1]["labelled"] or matches[-1]["alone"]
+    return _VERDICT_SCORES[verdict.lower()]
+
+
+def parse_pairwise_verdict(text: str) -> Literal["A", "B", "tie"] | None:
+    """The last MT-Bench verdict in `text`: [[A]], [[B]], or [[C]] (or [[tie]]) for a tie."""
+    matches = _PAIRWISE_VERDICT.findall(text)
+    if not matches:
+        return None
+    verdict = matches[-1].upper()
+    return "tie" if verdict in ("C", "TIE") else verdict
+
+
+def _normalised(value: float, out_of: float) -> float | None:
+    return value / out_of if out_of > 0 and value <= out_of else None
+
+
+def _pairwise_score(text: str, *, response_is_a: bool) -> float | None:
+    verdict = parse_pairwise_verdict(text)
+    if verdict is None:
+        return None
+    if verdict == "tie":
+        return 0.5
+    return 1.0 if (verdict == "A") == response_is_a else 0.0
+
+
+def _majority(scores: Sequence[float]) -> float:
+    counts = Counter(scores)
+    top = max(counts.values())
+    return statistics.fmean(value for value, count in counts.items() if count == top)
+
+
+PARSERS: dict[str, Callable[[str, float], float | None]] = {
+    "score_out_of": parse_score_out_of,
+    "boxed": parse_boxed,
+    "yes_no": parse_yes_no,
+}
+AGGREGATES: dict[str, Callable[[Sequence[float]], float]] = {
+    "mean": statistics.fmean,
+    "majority": _majority,
+}
+
+
+class _Message(BaseModel):
+    content: str | None = None
+
+
+class _Choice(BaseModel):
+    message: _Message
+
+
+class _ChatCompletion(BaseModel):
+    choices: list[_Choice]
+
+
+class _JudgeCallError(Exception):
+    """A judge call failed; the message names the URL and what went wrong."""
+
+
+class LlmJudge:
+    """Grades responses with an LLM through a rubric; `score` may be called concurrently."""
+
+    def __init__(self, options: JudgeOptions):
+        self.options = options
+        self.url = options.base_url.rstrip("/") + "/chat/completions"
+        self._placeholders = rubric_placeholders(options.rubric)
+        # Shared by every call of this judge, so concurrent items queue here, not at the server.
+        self._slots = asyncio.Semaphore(options.max_concurrency)
+        headers = {}
+        if options.api_key_env is not None:
+            headers["Authorization"] = f"Bearer {read_secret_env(options.api_key_env)}"
+        # trust_env=False: no proxy or netrc from the environment.
+        self._client = httpx.AsyncClient(
+            headers=headers,
+            timeout=options.request_timeout_seconds,
+            limits=httpx.Limits(max_connections=options.max_concurrency),
+            trust_env=False,
+        )
+
+    async def score(self, request: ScoringRequest) -> Score:
+        """The judge's score of `request.response_text`, with its samples in the extras.
+
+        Raises ValueError when the rubric needs something `request` lacks; a failed call or
+        unparseable answers give `default_score` and extras["error"].
+        """
+        prompts = self._prompts(request)
+        call_error = None
+        try:
+            async with asyncio.TaskGroup() as group:
+                calls = [group.create_task(self._complete(prompt)) for prompt, _ in prompts]
+        except* _JudgeCallError as failures:
+            call_error = str(failures.exceptions[0])
+        if call_error is not None:
+            return self._failed(call_error, texts=[])
+        texts, scores = [], []
+        for call, (_, parse) in zip(calls, prompts, strict=True):
+            for text in call.result():
+                texts.append(text)
+                if (sample_score := parse(text)) is not None:
+                    scores.append(sample_score)
+        if not scores:
+            return self._failed(f"none of the judge's {len(texts)} answers held a verdict", texts)
+        return Score(AGGREGATES[self.options.aggregate](scores), _extras(texts, scores))
+
+    def _prompts(self, request: ScoringRequest) -> list[tuple[str, Callable[[str], float | None]]]:
+        """Each prompt to send, with the parser turning one of its answers into a score."""
+        values = {}
+        if "question" in self._placeholders:
+            values["question"] = _first_user_text(request.messages)
+        if not self.options.pairwise:
+            if "reference" in self._placeholders:
+                values["reference"] = _reference_text(request.ground_truth)
+            prompt = self.options.rubric.format(response=request.response_text, **values)
+            parse = partial(PARSERS[self.options.parse], max_score=self.options.max_score)
+            return [(prompt, parse)]
+        other = request.extra_info.get("reference_response")
+        if not isinstance(other, str):
+            raise ValueError(
+                f"pairwise judging needs extra_info['reference_response'] as a string, got {other!r}"
+            )
+        orders = [(request.response_text, other, True)]
+        if self.options.swap_positions:
+            orders.append((other, request.response_text, False))
+        return [
+            (
+                self.options.rubric.format(response_a=a, response_b=b, **values),
+                partial(_pairwise_score, response_is_a=response_is_a),
+            )
+            for a, b, response_is_a in orders
+        ]
+
+    async def _complete(self, prompt: str) -> list[str]:
+        """The judge's `samples` answers to `prompt`; _JudgeCallError when the call fails."""
+        messages = [{"role": "user", "content": prompt}]
+        if self.options.system_prompt is not None:
+            messages.insert(0, {"role": "system", "content": self.options.system_prompt})
+        body = {
+            "model": self.options.model,
+            "messages": messages,
+            "temperature": self.options.temperature,
+            "max_tokens": self.options.max_tokens,
+            "n": self.options.samples,
+        }
+        timeout_seconds = self.options.request_timeout_seconds
+        async with self._slots:
+            try:
+                async with asyncio.timeout(timeout_seconds):
+                    response = await self._retrying()(self._client.post, self.url, json=body)
+            except (TimeoutError, httpx.TimeoutException):
+                raise self._error(f"did not answer within {timeout_seconds} s") from None
+            except httpx.TransportError as e:
+                raise self._error(f"is unreachable ({type(e).__name__}: {e})") from None
+        if response.status_code != 200:
+            raise self._error(
+                f"answered HTTP {response.status_code}: {response.text[:MAX_ERROR_BODY_CHARS]!r}"
+            )
+        try:
+            completion = _ChatCompletion.model_validate_json(response.content)
+        except ValidationError as e:
+            raise self._error(
+                f"sent a malformed answer ({e.errors()[0]['msg']}): "
+                f"{response.text[:MAX_ERROR_BODY_CHARS]!r}"
+            ) from None
+        return [choice.message.content or "" for choice in completion.choices]
+
+    def _retrying(self) -> tenacity.AsyncRetrying:
+        # `_complete` bounds all attempts by its timeout. One per call: an AsyncRetrying keeps
+        # per-call statistics.
+        return tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception_type(httpx.ConnectError)
+            | tenacity.retry_if_result(
+                lambda response: response.status_code == 429 or response.status_code >= 500
+            ),
+            stop=tenacity.stop_after_attempt(self.options.max_retries + 1),
+            wait=tenacity.wait_exponential_jitter(
+                multiplier=RETRY_BASE_SECONDS, max=RETRY_MAX_SECONDS, jitter=RETRY_BASE_SECONDS
+            ),
+            # After the last attempt: its response, or its exception, as it came.
+            retry_error_callback=lambda state: state.outcome.result(),
+        )
+
+    def _error(self, what: str) -> _JudgeCallError:
+        return _JudgeCallError(f"judge {self.options.name!r} at {self.url!r} {what}")
+
+    def _failed(self, error: str, texts: list[str]) -> Score:
+        return Score(self.options.default_score, {"error": error, **_extras(texts, [])})
+
+    async def close(self) -> None:
+        """Closes the HTTP connections."""
+        await self._client.aclose()
+
+
+def _extras(texts: list[str], scores: list[float]) -> dict[str, Any]:
+    return {
+        "samples": len(texts),
+        "parsed": len(scores),
+        "raw": [text[:MAX_RAW_CHARS] for text in texts],
+        "scores": scores,
+    }
+
+
+def _first_user_text(messages: list[dict[str, Any]]) -> str:
+    """The text of the first user message: a string, or the text parts of a content list."""
+    for message in messages:
+        if message.get("role") != "user":
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+            return "".join(part["text"] for part in content if part.get("type") == "text")
+        raise ValueError(
+            f"the first user message's content is {content!r}; expected a string or a list "
+            "of {'type': 'text', 'text': ...} parts"
+        )
+    roles = [message.get("role") for message in messages]
+    raise ValueError(
+        f"the rubric's {{question}} needs a user message; messages have roles {roles!r}"
+    )
+
+
+def _reference_text(ground_truth: Any) -> str:
+    """The ground truth as the judge reads it: a string as it is, anything else as JSON."""
+    if ground_truth is None:
+        raise ValueError("the rubric's {reference} needs a ground_truth, got None")
+    if isinstance(ground_truth, str):
+        return ground_truth
+    try:
+        return json.dumps(ground_truth, ensure_ascii=False)
+    except TypeError:
+        raise ValueError(
+            f"ground_truth {ground_truth!r} cannot be rendered as text; expected a string, "
+            "number, list or object of JSON values"
+        ) from None

@@ -1,0 +1,216 @@
+"""RewardService: routes each item to its scorer by `data_source` and isolates failures.
+
+A plain async class (no gRPC). Rule scorers and plugins run in a pool of worker processes
+with a per-item timeout; the code scorer and LLM judges wait on I/O and run on the event loop
+under the same timeout. Whatever goes wrong with one item (its scorer raises, hangs, kills
+its process; the input is too large) yields an error result for that item alone, scored
+`error_score`, with `extras["error"]` saying why.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from reward_svc.config import RewardConfig
+from reward_svc.pool import ScorerFailedError, ScorerPool
+from reward_svc.scorers import RULE_SCORERS, SCORERS
+from reward_svc.scorers.base import Score, ScorerRef, ScoringRequest
+from reward_svc.scorers.code import CodeScorer
+from reward_svc.scorers.compose import weighted_sum
+from reward_svc.scorers.judge import LlmJudge
+from turnrl.errors import ConfigError, InvalidArgumentError
+
+log = logging.getLogger(__name__)
+
+
+class AsyncScorer(Protocol):
+    """A scorer that waits on I/O: the code scorer, an LLM judge."""
+
+    async def score(self, request: ScoringRequest) -> Score: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one data source is scored: in the worker pool (`ref`) or on the loop (`scorer`)."""
+
+    name: str
+    description: str
+    ref: ScorerRef | None = None
+    scorer: AsyncScorer | None = None
+    # A weighted sum of rule scorers: (name, weight, ref) per part.
+    parts: tuple[tuple[str, float, ScorerRef], ...] = ()
+    generative: bool = False
+
+
+@dataclass(frozen=True)
+class ScoringResult:
+    """One item's verdict, or its failure (`error` set, score = error_score)."""
+
+    score: Score
+    scorer: str
+    elapsed_seconds: float
+    error: str | None = None
+
+
+class RewardService:
+    """Scores items. Build with `await RewardService.create(config)`."""
+
+    def __init__(self, config: RewardConfig, routes: dict[str, Route], pool: ScorerPool) -> None:
+        self._config = config
+        self._routes = routes
+        self._pool = pool
+        self._in_flight = asyncio.Semaphore(config.max_concurrency)
+
+    @classmethod
+    async def create(cls, config: RewardConfig) -> "RewardService":
+        """Builds the routes (built-ins, then plugins and judges, which may override them) and
+        starts the worker pool. Raises ConfigError for a plugin that cannot be loaded."""
+        routes = {
+            source: Route(rule.name, rule.description, ref=rule.ref)
+            for source, rule in SCORERS.items()
+        }
+        code = CodeScorer(config.code)
+        for source in config.code.data_sources:
+            routes[source] = Route("code", "test cases run in the tool sandbox", scorer=code)
+        for index, plugin in enumerate(config.plugins):
+            ref = ScorerRef(
+                function=plugin.function,
+                module=plugin.module,
+                path=str(plugin.path) if plugin.path else None,
+            )
+            try:
+                ref.load()  # fail at start-up, not on the first item
+            except Exception as e:
+                raise ConfigError(f"reward.plugins[{index}]: cannot load {ref}: {e}") from e
+            for source in plugin.data_sources:
+                routes[source] = Route(f"plugin:{plugin.function}", "user scorer", ref=ref)
+        for index, composite in enumerate(config.composites):
+            unknown = [p.scorer for p in composite.parts if p.scorer not in RULE_SCORERS]
+            if unknown:
+                raise ConfigError(
+                    f"reward.composites[{index}]: unknown scorers {unknown}; known: {sorted(RULE_SCORERS)}"
+                )
+            parts = tuple((p.scorer, p.weight, RULE_SCORERS[p.scorer].ref) for p in composite.parts)
+            name = " + ".join(f"{weight:g}*{scorer}" for scorer, weight, _ in parts)
+            for source in composite.data_sources:
+                routes[source] = Route(name, "weighted sum of rule scorers", parts=parts)
+        for judge_options in config.judges:
+            judge = LlmJudge(judge_options)
+            for source in judge_options.data_sources:
+                routes[source] = Route(
+                    f"judge:{judge_options.name}", "LLM judge", scorer=judge, generative=True
+                )
+        # Workers import every rule scorer and plugin when they start, not on a first item.
+        preload = tuple(
+            {rule.ref for rule in RULE_SCORERS.values()}
+            | {route.ref for route in routes.values() if route.ref is not None}
+        )
+        return cls(config, routes, ScorerPool(config.workers, preload))
+
+    def list_scorers(self) -> list[tuple[Route, list[str]]]:
+        """Every scorer with the data sources routed to it, sorted by name."""
+        by_name: dict[str, tuple[Route, list[str]]] = {}
+        for source, route in sorted(self._routes.items()):
+            by_name.setdefault(route.name, (route, []))[1].append(source)
+        return [by_name[name] for name in sorted(by_name)]
+
+    def check_data_source(self, data_source: str) -> None:
+        """Raises InvalidArgumentError naming the known data sources for an unknown one."""
+        if data_source not in self._routes:
+            raise InvalidArgumentError(
+                f"unknown data_source {data_source!r}; known: {sorted(self._routes)}"
+            )
+
+    async def score(self, request: ScoringRequest) -> ScoringResult:
+        """Scores one item; never raises for the item's sake (see the module docstring)."""
+        started = time.monotonic()
+        route = self._routes.get(request.data_source)
+        name = route.name if route else "none"
+        try:
+            if route is None:
+                raise ScorerFailedError(
+                    f"unknown data_source {request.data_source!r}; known: {sorted(self._routes)}"
+                )
+            size = len(request.response_text.encode(errors="replace"))
+            if size > self._config.max_response_bytes:
+                raise ScorerFailedError(
+                    f"response is {size} bytes; at most {self._config.max_response_bytes} are scored"
+                )
+            async with self._in_flight:
+                score = await self._run(route, request)
+        except ScorerFailedError as e:
+            return self._failure(name, str(e), started)
+        except Exception as e:
+            log.warning("scorer %s failed on %s: %s", name, request.data_source, e, exc_info=True)
+            return self._failure(name, f"{type(e).__name__}: {e}", started)
+        return ScoringResult(score, name, time.monotonic() - started)
+
+    async def score_stream(
+        self, items: AsyncIterator[tuple[str, ScoringRequest]]
+    ) -> AsyncIterator[tuple[str, ScoringResult]]:
+        """Scores a stream of (item_id, request); yields results as each finishes, any order.
+
+        At most `max_concurrency` items of the stream are in flight; the next item is read
+        only when one finishes, so a fast sender is slowed by gRPC flow control.
+        """
+        results: asyncio.Queue[tuple[str, ScoringResult] | None] = asyncio.Queue()
+        slots = asyncio.Semaphore(self._config.max_concurrency)
+
+        async def score_one(item_id: str, request: ScoringRequest) -> None:
+            try:
+                results.put_nowait((item_id, await self.score(request)))
+            finally:
+                slots.release()
+
+        async def score_all() -> None:
+            async with asyncio.TaskGroup() as group:
+                async for item_id, request in items:
+                    await slots.acquire()
+                    group.create_task(score_one(item_id, request))
+
+        producer = asyncio.create_task(score_all())
+        producer.add_done_callback(lambda _: results.put_nowait(None))
+        try:
+            while (result := await results.get()) is not None:
+                yield result
+            producer.result()  # a broken input stream raises here
+        finally:
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Stops the workers and closes the judges' and code scorer's connections."""
+        scorers = {id(r.scorer): r.scorer for r in self._routes.values() if r.scorer is not None}
+        await asyncio.gather(*(scorer.close() for scorer in scorers.values()))
+        await self._pool.close()
+
+    async def _run(self, route: Route, request: ScoringRequest) -> Score:
+        timeout = self._config.item_timeout_seconds
+        if route.ref is not None:
+            return await self._pool.score(route.ref, request, timeout)
+        if route.parts:
+            scores = await asyncio.gather(
+                *(self._pool.score(ref, request, timeout) for _, _, ref in route.parts)
+            )
+            parts = [
+                (name, weight, s) for (name, weight, _), s in zip(route.parts, scores, strict=True)
+            ]
+            return weighted_sum(parts)
+        assert route.scorer is not None
+        timeout = self._config.io_item_timeout_seconds
+        try:
+            async with asyncio.timeout(timeout):
+                return await route.scorer.score(request)
+        except TimeoutError:
+            raise ScorerFailedError(
+                f"scorer ran past its {timeout:g}s limit and was stopped"
+            ) from None
+
+    def _failure(self, name: str, message: str, started: float) -> ScoringResult:
+        score = Score(self._config.error_score, {"error": message})
+        return ScoringResult(score, name, time.monotonic() - started, error=message)

@@ -1,0 +1,169 @@
+"""The reward service through a real gRPC server on loopback: routing, isolation of bad
+items, batching, plugins, limits."""
+
+import asyncio
+import contextlib
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf import json_format
+
+from reward_svc.config import PluginEntry, RewardConfig
+from reward_svc.server import RewardServicer
+from reward_svc.service import RewardService
+from turnrl import rpc
+from turnrl.config import ClientConfig, ServerConfig
+from turnrl.errors import ConfigError
+from turnrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+
+PLUGINS = Path(__file__).parent / "plugins" / "probe_scorers.py"
+PROBE_PLUGINS = [
+    PluginEntry(data_sources=["echo"], path=PLUGINS),
+    PluginEntry(data_sources=["raises"], path=PLUGINS, function="raises"),
+    PluginEntry(data_sources=["hangs"], path=PLUGINS, function="sleeps_forever"),
+    PluginEntry(data_sources=["dies"], path=PLUGINS, function="kills_its_process"),
+]
+
+
+@contextlib.asynccontextmanager
+async def reward_server(**settings) -> AsyncIterator[reward_pb2_grpc.RewardServiceStub]:
+    """A real reward service on 127.0.0.1:0; yields a stub connected to it."""
+    settings.setdefault("plugins", PROBE_PLUGINS)
+    config = RewardConfig(server=ServerConfig(port=0), **settings)
+    service = await RewardService.create(config)
+    running = await rpc.start_server(
+        config.server,
+        reward_pb2.DESCRIPTOR.services_by_name["RewardService"],
+        lambda server: reward_pb2_grpc.add_RewardServiceServicer_to_server(
+            RewardServicer(service), server
+        ),
+    )
+    try:
+        async with rpc.open_channel(ClientConfig(address=f"127.0.0.1:{running.port}")) as channel:
+            yield reward_pb2_grpc.RewardServiceStub(channel)
+    finally:
+        await running.server.stop(None)
+        await service.close()
+
+
+def scoring_input(data_source: str, response: str, ground_truth=None) -> reward_pb2.ScoringInput:
+    item = reward_pb2.ScoringInput(data_source=data_source, response_text=response)
+    if ground_truth is not None:
+        json_format.ParseDict(ground_truth, item.ground_truth)
+    return item
+
+
+async def score(stub, data_source: str, response: str, ground_truth=None, deadline=30.0):
+    request = reward_pb2.ScoreRequest(input=scoring_input(data_source, response, ground_truth))
+    return (await stub.Score(request, timeout=deadline)).result
+
+
+async def test_plugin_scores_and_lists():
+    async with reward_server() as stub:
+        right = await score(stub, "echo", "42", "42")
+        wrong = await score(stub, "echo", "41", "42")
+        listed = await stub.ListScorers(reward_pb2.ListScorersRequest(), timeout=5)
+    assert right.reward.score == 1.0 and not right.reward.error
+    assert json_format.MessageToDict(right.reward.extras) == {"length": 2.0}
+    assert right.scorer == "plugin:compute_score" and wrong.reward.score == 0.0
+    names = {s.name: list(s.data_sources) for s in listed.scorers}
+    assert names["plugin:compute_score"] == ["echo"]
+    assert "openai/gsm8k" in names["gsm8k"]
+
+
+@pytest.mark.parametrize(
+    ("data_source", "message"),
+    [("raises", "ValueError: cannot grade 'x'"), ("dies", "scorer process died (exit code 3)")],
+)
+async def test_failing_scorer_gives_an_error_result(data_source, message):
+    async with reward_server(error_score=-1.0) as stub:
+        result = await score(stub, data_source, "x")
+    assert result.reward.error and result.reward.score == -1.0
+    assert message in result.reward.error_message
+    assert json_format.MessageToDict(result.reward.extras)["error"] == result.reward.error_message
+
+
+async def test_hung_scorer_times_out_alone():
+    async with reward_server(item_timeout_seconds=0.5) as stub:
+        hung, fine = await asyncio.gather(score(stub, "hangs", "x"), score(stub, "echo", "a", "a"))
+    assert hung.reward.error and "past its 0.5s limit" in hung.reward.error_message
+    assert fine.reward.score == 1.0 and not fine.reward.error
+
+
+async def test_unknown_data_source_is_invalid_argument_naming_the_known_ones():
+    async with reward_server() as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await score(stub, "gsm8k_v2", "x")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.search(
+        r"unknown data_source 'gsm8k_v2'; known: \[.*'echo'.*'openai/gsm8k'", info.value.details()
+    )
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        (reward_pb2.ScoringInput(response_text="x"), "input.data_source is required"),
+        (
+            reward_pb2.ScoringInput(data_source="echo", messages=[common_pb2.Message()]),
+            "input.messages: message role 0 is not set",
+        ),
+    ],
+)
+async def test_malformed_input_is_invalid_argument(item, message):
+    async with reward_server() as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Score(reward_pb2.ScoreRequest(input=item), timeout=5)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in info.value.details()
+
+
+async def test_ten_megabyte_response_is_an_error_result():
+    async with reward_server() as stub:
+        result = await score(stub, "echo", "x" * (10 * 1024 * 1024), "x")
+    assert result.reward.error
+    assert "response is 10485760 bytes; at most 1048576 are scored" in result.reward.error_message
+
+
+async def test_caller_deadline_is_deadline_exceeded():
+    async with reward_server(item_timeout_seconds=30) as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await score(stub, "hangs", "x", deadline=0.5)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+async def test_score_batch_answers_every_item_once_and_isolates_bad_ones():
+    kinds = ["echo", "raises", "echo", "hangs", "nope", "echo"]
+
+    async def requests():
+        for i in range(60):
+            kind = kinds[i % len(kinds)]
+            yield reward_pb2.ScoreBatchRequest(
+                item_id=f"item-{i}", input=scoring_input(kind, str(i), str(i))
+            )
+
+    async with reward_server(item_timeout_seconds=0.5, max_concurrency=16) as stub:
+        results = {
+            reply.item_id: reply.result async for reply in stub.ScoreBatch(requests(), timeout=60)
+        }
+    assert sorted(results) == sorted(f"item-{i}" for i in range(60))
+    for i in range(60):
+        result, kind = results[f"item-{i}"], kinds[i % len(kinds)]
+        if kind == "echo":
+            assert result.reward.score == 1.0 and not result.reward.error
+        else:
+            assert result.reward.error, (kind, result)
+    assert "unknown data_source 'nope'" in results["item-4"].reward.error_message
+
+
+async def test_plugin_that_cannot_load_stops_start_up(tmp_path):
+    bad = tmp_path / "broken.py"
+    bad.write_text("raise ImportError('missing dependency foo')\n")
+    config = RewardConfig(
+        server=ServerConfig(port=0), plugins=[PluginEntry(data_sources=["x"], path=bad)]
+    )
+    with pytest.raises(ConfigError, match=r"reward.plugins\[0\].*missing dependency foo"):
+        await RewardService.create(config)

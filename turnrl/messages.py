@@ -1,0 +1,48 @@
+"""Chat messages between the wire (`turnrl.v1.Message`) and the OpenAI-style dicts that chat
+templates, scorers and judges read."""
+
+import base64
+from typing import Any
+
+from turnrl.v1 import common_pb2
+
+ROLE_NAMES = {
+    common_pb2.Message.ROLE_SYSTEM: "system",
+    common_pb2.Message.ROLE_USER: "user",
+    common_pb2.Message.ROLE_ASSISTANT: "assistant",
+    common_pb2.Message.ROLE_TOOL: "tool",
+}
+
+
+def message_to_dict(message: common_pb2.Message) -> dict[str, Any]:
+    """An OpenAI chat message: role, content (text, or a list of parts when there are images),
+    tool_calls, tool_call_id, name and reasoning_content when set. Raises ValueError for an
+    UNSPECIFIED role."""
+    if message.role not in ROLE_NAMES:
+        raise ValueError(f"message role {message.role!r} is not set; use ROLE_SYSTEM..ROLE_TOOL")
+    result: dict[str, Any] = {"role": ROLE_NAMES[message.role]}
+    if any(part.HasField("image") for part in message.content):
+        result["content"] = [_part_to_dict(part) for part in message.content]
+    else:
+        result["content"] = "".join(part.text for part in message.content)
+    if message.tool_calls:
+        result["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+            for call in message.tool_calls
+        ]
+    for key in ("tool_call_id", "name", "reasoning_content"):
+        if value := getattr(message, key):
+            result[key] = value
+    return result
+
+
+def _part_to_dict(part: common_pb2.ContentPart) -> dict[str, Any]:
+    if part.HasField("text"):
+        return {"type": "text", "text": part.text}
+    image = part.image
+    url = image.url or f"data:{image.mime_type};base64,{base64.b64encode(image.data).decode()}"
+    return {"type": "image_url", "image_url": {"url": url}}
