@@ -8,6 +8,7 @@ would fight the service's: they are turned off, and the process pool's per-item 
 a slow comparison instead.
 """
 
+import logging
 from typing import Any
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
@@ -23,6 +24,9 @@ DATA_SOURCES = (
     "aime2024",
     "aime2025",
 )
+# math-verify warns once per process that its timeouts are off; that is deliberate here.
+for _module in ("math_verify.grader", "math_verify.parser"):
+    logging.getLogger(_module).setLevel(logging.ERROR)
 _REFERENCE_EXTRACTION = (LatexExtractionConfig(),)
 _RESPONSE_EXTRACTION = (ExprExtractionConfig(), LatexExtractionConfig())
 
