@@ -274,3 +274,12 @@ async def test_start_up_removes_cgroups_a_dead_service_left():
             (path / "run-0").mkdir(parents=True, exist_ok=True)
         async with python_tool():
             assert not any(path.exists() for path in left)
+
+
+async def test_installed_packages_only_when_enabled():
+    # The service's base interpreter has site-packages of its own (pip itself, at least).
+    code = "import importlib.util; print(importlib.util.find_spec('pip') is not None)"
+    async with python_tool() as tool:
+        assert (await run(tool, code)).text.strip() == "False"
+    async with python_tool(enable_site_packages=True) as tool:
+        assert (await run(tool, code)).text.strip() == "True"

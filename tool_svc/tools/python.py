@@ -158,7 +158,12 @@ class PythonOptions(StrictModel):
     python_executable: str | None = Field(
         default=None,
         description="Interpreter to run the code with (a venv's python brings its packages); "
-        "None: the base interpreter of the service, standard library only.",
+        "None: the base interpreter of the service.",
+    )
+    enable_site_packages: bool = Field(
+        default=False,
+        description="Let the code import the interpreter's installed packages (numpy, ...). "
+        "Off: the standard library only, which also starts about 20 ms faster.",
     )
     extra_readonly_paths: list[str] = Field(
         default_factory=list,
@@ -226,7 +231,7 @@ class PythonTool(Tool):
                 "PYTHONDONTWRITEBYTECODE": "1",
                 "PYTHONUNBUFFERED": "1",
             },
-            probe_command=[*_python_command(executable), "run"],
+            probe_command=[*_python_command(executable, parsed.enable_site_packages), "run"],
             limits=_limits(parsed, per_call=True),
         )
         if schema is None and parsed.enable_stateful_sessions:
@@ -245,7 +250,7 @@ class PythonTool(Tool):
             return await self._execute_in_session(session, code)
         options: PythonOptions = self.options
         outcome = await self.sandbox.run(
-            [*_python_command(self._executable), "run"],
+            [*_python_command(self._executable, options.enable_site_packages), "run"],
             code.encode(errors="replace"),
             options.wall_timeout_seconds,
             _limits(options, per_call=True),
@@ -267,7 +272,7 @@ class PythonTool(Tool):
             if session.sandbox is None:
                 session.sandbox = await self.sandbox.start(
                     [
-                        *_python_command(self._executable),
+                        *_python_command(self._executable, options.enable_site_packages),
                         "serve",
                         session.marker.decode(),
                         str(options.cpu_time_limit_seconds),
@@ -410,10 +415,12 @@ def _format_output(outcome: RunOutcome) -> str:
     )
 
 
-def _python_command(executable: str) -> list[str]:
+def _python_command(executable: str, site_packages: bool) -> list[str]:
     # -I: no user site-packages, no PYTHON* variables, no script dir on sys.path;
-    # -B: no .pyc files; -u: unbuffered, so output written before a kill is not lost.
-    return [executable, "-I", "-B", "-u", "-c", DRIVER]
+    # -B: no .pyc files; -u: unbuffered, so output written before a kill is not lost;
+    # -S: no site module, so no installed packages and no .pth files run at start-up.
+    flags = ["-I", "-B", "-u"] if site_packages else ["-I", "-S", "-B", "-u"]
+    return [executable, *flags, "-c", DRIVER]
 
 
 def _limits(options: PythonOptions, per_call: bool) -> SandboxLimits:
