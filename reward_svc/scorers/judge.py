@@ -35,18 +35,15 @@ from functools import partial
 from typing import Any, Literal, Self
 
 import httpx
-import tenacity
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from reward_svc.scorers.base import Score, ScoringRequest
 from turnrl.config import StrictModel, read_secret_env
+from turnrl.http_json import HttpJsonError, post_json
 
 POINTWISE_PLACEHOLDERS = frozenset({"question", "response", "reference"})
 PAIRWISE_PLACEHOLDERS = frozenset({"question", "response_a", "response_b"})
 MAX_RAW_CHARS = 500
-MAX_ERROR_BODY_CHARS = 200
-RETRY_BASE_SECONDS = 0.1
-RETRY_MAX_SECONDS = 2.0
 
 _NUMBER = r"\d+(?:\.\d+)?"
 # `7/10`, `7 / 10`, `7 out of 10`, not part of a date or path (`2023/10/05`); or a labelled
@@ -356,43 +353,19 @@ class LlmJudge:
             "max_tokens": self.options.max_tokens,
             "n": self.options.samples,
         }
-        timeout_seconds = self.options.request_timeout_seconds
         async with self._slots:
             try:
-                async with asyncio.timeout(timeout_seconds):
-                    response = await self._retrying()(self._client.post, self.url, json=body)
-            except (TimeoutError, httpx.TimeoutException):
-                raise self._error(f"did not answer within {timeout_seconds} s") from None
-            except httpx.TransportError as e:
-                raise self._error(f"is unreachable ({type(e).__name__}: {e})") from None
-        if response.status_code != 200:
-            raise self._error(
-                f"answered HTTP {response.status_code}: {response.text[:MAX_ERROR_BODY_CHARS]!r}"
-            )
-        try:
-            completion = _ChatCompletion.model_validate_json(response.content)
-        except ValidationError as e:
-            raise self._error(
-                f"sent a malformed answer ({e.errors()[0]['msg']}): "
-                f"{response.text[:MAX_ERROR_BODY_CHARS]!r}"
-            ) from None
+                completion = await post_json(
+                    self._client,
+                    self.url,
+                    body,
+                    _ChatCompletion,
+                    timeout_seconds=self.options.request_timeout_seconds,
+                    max_retries=self.options.max_retries,
+                )
+            except HttpJsonError as e:
+                raise self._error(str(e)) from None
         return [choice.message.content or "" for choice in completion.choices]
-
-    def _retrying(self) -> tenacity.AsyncRetrying:
-        # `_complete` bounds all attempts by its timeout. One per call: an AsyncRetrying keeps
-        # per-call statistics.
-        return tenacity.AsyncRetrying(
-            retry=tenacity.retry_if_exception_type(httpx.ConnectError)
-            | tenacity.retry_if_result(
-                lambda response: response.status_code == 429 or response.status_code >= 500
-            ),
-            stop=tenacity.stop_after_attempt(self.options.max_retries + 1),
-            wait=tenacity.wait_exponential_jitter(
-                multiplier=RETRY_BASE_SECONDS, max=RETRY_MAX_SECONDS, jitter=RETRY_BASE_SECONDS
-            ),
-            # After the last attempt: its response, or its exception, as it came.
-            retry_error_callback=lambda state: state.outcome.result(),
-        )
 
     def _error(self, what: str) -> _JudgeCallError:
         return _JudgeCallError(f"judge {self.options.name!r} at {self.url!r} {what}")

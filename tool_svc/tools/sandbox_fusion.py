@@ -8,18 +8,17 @@ verl's sandbox-fusion tool declares. The request carries
 `{status: Finished|TimeLimitExceeded|Error, execution_time, return_code, stdout, stderr}`.
 """
 
-import asyncio
 from typing import Any, ClassVar, Literal, Self
 
 import httpx
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from tool_svc.tools.base import Tool, ToolCallError, ToolErrorKind, ToolResult
 from turnrl.config import StrictModel
+from turnrl.http_json import HttpJsonError, post_json
 
 # Sandbox Fusion's `memory_limit_MB` for "no limit".
 NO_MEMORY_LIMIT = -1
-MAX_ERROR_BODY_CHARS = 200
 
 
 class SandboxFusionOptions(StrictModel):
@@ -127,25 +126,17 @@ class SandboxFusionTool(Tool):
         return self._observation(await self._run_code(request))
 
     async def _run_code(self, request: dict[str, Any]) -> _RunCodeResponse:
-        timeout_seconds = self.options.request_timeout_seconds
+        # No retries: a second try would run the candidate's code again.
         try:
-            async with asyncio.timeout(timeout_seconds):
-                response = await self._client.post(self.url, json=request)
-        except (TimeoutError, httpx.TimeoutException):
-            raise self._unavailable(f"did not answer within {timeout_seconds} s") from None
-        except httpx.TransportError as e:
-            raise self._unavailable(f"is unreachable ({type(e).__name__}: {e})") from None
-        if response.status_code != 200:
-            raise self._unavailable(
-                f"answered HTTP {response.status_code}: {response.text[:MAX_ERROR_BODY_CHARS]!r}"
+            return await post_json(
+                self._client,
+                self.url,
+                request,
+                _RunCodeResponse,
+                timeout_seconds=self.options.request_timeout_seconds,
             )
-        try:
-            return _RunCodeResponse.model_validate_json(response.content)
-        except ValidationError as e:
-            raise self._unavailable(
-                f"sent a malformed answer ({e.errors()[0]['msg']}): "
-                f"{response.text[:MAX_ERROR_BODY_CHARS]!r}"
-            ) from None
+        except HttpJsonError as e:
+            raise self._unavailable(str(e)) from None
 
     def _observation(self, response: _RunCodeResponse) -> ToolResult:
         options: SandboxFusionOptions = self.options

@@ -25,12 +25,12 @@ import bm25s
 import httpx
 import numpy as np
 import Stemmer
-import tenacity
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from tool_svc.tools.base import Tool, ToolCallError, ToolErrorKind, ToolResult
 from turnrl.config import StrictModel
 from turnrl.errors import ConfigError
+from turnrl.http_json import MAX_ERROR_BODY_CHARS, HttpJsonError, post_json
 
 DEFAULT_MAX_TOPK = 10
 # Bump when the layout of a cached index changes, so older caches are rebuilt, not misread.
@@ -44,8 +44,6 @@ HASH_CHUNK_BYTES = 1 << 20
 # Between the blocks of a `query_list` call, as verl's search tool joins them.
 BLOCK_SEPARATOR = "\n---\n"
 NO_PASSAGES = "No passages matched the query."
-RETRY_BASE_SECONDS = 0.1
-MAX_ERROR_BODY_CHARS = 200
 
 
 class SearchOptions(StrictModel):
@@ -362,40 +360,22 @@ class RetrieverClient:
         """Per query, the contents of the passages the server returns, best first."""
         payload = {"queries": queries, "topk": topk, "return_scores": True}
         try:
-            async with asyncio.timeout(self._timeout_seconds):
-                response = await self._retrying()(self._client.post, self.url, json=payload)
-        except (TimeoutError, httpx.TimeoutException):
-            raise self._unavailable(f"did not answer within {self._timeout_seconds} s") from None
-        except httpx.TransportError as e:
-            raise self._unavailable(f"is unreachable ({type(e).__name__}: {e})") from None
-        if response.status_code != 200:
-            raise self._unavailable(
-                f"answered HTTP {response.status_code}: {response.text[:MAX_ERROR_BODY_CHARS]!r}"
+            reply = await post_json(
+                self._client,
+                self.url,
+                payload,
+                _RetrieveResponse,
+                timeout_seconds=self._timeout_seconds,
+                max_retries=self._max_retries,
             )
-        try:
-            result = _RetrieveResponse.model_validate_json(response.content).result
-        except ValidationError as e:
-            raise self._unavailable(
-                f"sent a malformed answer ({e.errors()[0]['msg']}): "
-                f"{response.text[:MAX_ERROR_BODY_CHARS]!r}"
-            ) from None
+        except HttpJsonError as e:
+            raise self._unavailable(str(e)) from None
+        result = reply.result
         if len(result) != len(queries):
             raise self._unavailable(
                 f"answered {len(result)} result lists for {len(queries)} queries"
             )
         return [[hit.document.contents for hit in hits] for hits in result]
-
-    def _retrying(self) -> tenacity.AsyncRetrying:
-        # Connection errors and 5xx answers are retried with backoff; `retrieve` bounds the
-        # whole by its timeout. One per call: an AsyncRetrying keeps per-call statistics.
-        return tenacity.AsyncRetrying(
-            retry=tenacity.retry_if_exception_type(httpx.ConnectError)
-            | tenacity.retry_if_result(lambda response: response.status_code >= 500),
-            stop=tenacity.stop_after_attempt(self._max_retries + 1),
-            wait=tenacity.wait_exponential(multiplier=RETRY_BASE_SECONDS),
-            # After the last attempt: its response, or its exception, as it came.
-            retry_error_callback=lambda state: state.outcome.result(),
-        )
 
     def _unavailable(self, what: str) -> ToolCallError:
         return ToolCallError(ToolErrorKind.UNAVAILABLE, f"retriever at {self.url!r} {what}")
