@@ -60,6 +60,7 @@ class ScorerPool:
         self._preload = preload
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
         self._all: set[_Worker] = set()
+        self._starting: set[asyncio.Task] = set()
         for _ in range(workers):
             self._add_worker()
 
@@ -85,6 +86,8 @@ class ScorerPool:
 
     async def close(self) -> None:
         """Stops every worker."""
+        for task in self._starting:
+            task.cancel()
         for worker in list(self._all):
             with contextlib.suppress(OSError, BrokenPipeError):
                 worker.connection.send(None)
@@ -120,8 +123,30 @@ class ScorerPool:
             raise ScorerFailedError(f"scorer process died (exit code {code})") from None
 
     def _add_worker(self) -> None:
+        """Starts a worker; it takes items once it has imported its scorers, so start-up time
+        never counts against an item's timeout."""
         worker = _Worker(self._context, self._preload)
         self._all.add(worker)
+        task = asyncio.create_task(self._when_ready(worker))
+        self._starting.add(task)
+        task.add_done_callback(self._starting.discard)
+
+    async def _when_ready(self, worker: _Worker) -> None:
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+        fd = worker.connection.fileno()
+        loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            loop.remove_reader(fd)
+        try:
+            worker.connection.recv()  # the worker's "ready"
+        except (EOFError, OSError):
+            await asyncio.to_thread(worker.process.join, 5.0)
+            log.error("a scorer worker died while starting (exit code %s)", worker.process.exitcode)
+            self._all.discard(worker)
+            return
         self._idle.put_nowait(worker)
 
     def _replace(self, worker: _Worker) -> None:
@@ -143,6 +168,7 @@ def _worker_main(
     """A worker's loop: receive (ref, request), score, send ("ok", Score) or ("error", text)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the service, which stops us
     cache: dict[ScorerRef, Callable[[ScoringRequest], Score]] = {ref: ref.load() for ref in preload}
+    connection.send("ready")
     while (item := connection.recv()) is not None:
         ref, request = item
         try:

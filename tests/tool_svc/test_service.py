@@ -10,6 +10,7 @@ import grpc
 import pytest
 from google.protobuf import duration_pb2, struct_pb2
 
+from tests.conftest import serve_in_process
 from tests.tool_svc.probe_tools import EchoTool, SleepTool
 from tool_svc.config import ToolConfig, ToolEntry, ToolLimits
 from tool_svc.server import ToolServicer
@@ -34,18 +35,19 @@ async def tool_server(
     """A real tool service on 127.0.0.1:0 serving `entries`; yields a stub connected to it."""
     config = ToolConfig(server=ServerConfig(port=0), tools=list(entries), **settings)
     service = await ToolService.create(config)
-    running = await rpc.start_server(
-        config.server,
-        tool_pb2.DESCRIPTOR.services_by_name["ToolService"],
-        lambda server: tool_pb2_grpc.add_ToolServiceServicer_to_server(
-            ToolServicer(service), server
-        ),
-    )
     try:
-        async with rpc.open_channel(ClientConfig(address=f"127.0.0.1:{running.port}")) as channel:
+        async with (
+            serve_in_process(
+                config.server,
+                tool_pb2.DESCRIPTOR.services_by_name["ToolService"],
+                lambda server: tool_pb2_grpc.add_ToolServiceServicer_to_server(
+                    ToolServicer(service), server
+                ),
+            ) as address,
+            rpc.open_channel(ClientConfig(address=address)) as channel,
+        ):
             yield tool_pb2_grpc.ToolServiceStub(channel)
     finally:
-        await running.server.stop(None)
         await service.close()
 
 
