@@ -14,6 +14,7 @@ from reward_svc.scorers.code import CodeScorerOptions
 from reward_svc.scorers.judge import JudgeOptions
 from tests.reward_svc.test_code_scorer import tool_service
 from tests.reward_svc.test_judge import ChatCompletionsStandIn
+from tests.reward_svc.test_math_scorer import EQUIVALENT, NOT_EQUIVALENT
 from tests.reward_svc.test_service import reward_server, score, scoring_input
 from tests.tool_svc.http_stand_in import serve_app
 from turnrl.config import ClientConfig
@@ -44,18 +45,23 @@ async def test_every_gsm8k_gold_answer_scores_one_and_a_changed_one_zero(fixture
     assert not any(r.reward.error for r in results.values())
 
 
-async def test_math_equivalence_runs_in_the_workers():
-    cases = [
-        (r"The answer is $\boxed{\frac{1}{2}}$.", "0.5", 1.0),
-        (r"So $x = \boxed{\dfrac{10}{4}}$", "5/2", 1.0),
-        (r"$\boxed{[1, 3)}$", r"[1,3)", 1.0),
-        (r"$\boxed{\frac{1}{3}}$", "0.5", 0.0),
+async def test_math_equivalences_through_the_service():
+    cases = [(truth, response, 1.0) for truth, response in EQUIVALENT] + [
+        (truth, response, 0.0) for truth, response in NOT_EQUIVALENT
     ]
+    assert len(EQUIVALENT) >= 30 and len(NOT_EQUIVALENT) >= 30
+
+    async def requests():
+        for i, (truth, response, _) in enumerate(cases):
+            yield reward_pb2.ScoreBatchRequest(
+                item_id=str(i), input=scoring_input("lighteval/MATH", response, truth)
+            )
+
     async with reward_server() as stub:
-        for response, truth, expected in cases:
-            result = await score(stub, "lighteval/MATH", response, truth)
-            assert result.reward.score == expected, (response, truth)
-            assert result.scorer == "math" and not result.reward.error
+        results = {int(r.item_id): r.result async for r in stub.ScoreBatch(requests(), timeout=120)}
+    for i, (truth, response, expected) in enumerate(cases):
+        assert results[i].reward.score == expected, (truth, response)
+        assert results[i].scorer == "math" and not results[i].reward.error
 
 
 async def test_nq_exact_match_with_real_questions(fixtures):
