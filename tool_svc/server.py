@@ -17,8 +17,10 @@ from turnrl.errors import InvalidArgumentError
 from turnrl.v1 import common_pb2, tool_pb2, tool_pb2_grpc
 
 # Kept back from the caller's deadline, so that a TIMEOUT result or RESOURCE_EXHAUSTED reaches
-# the caller before it gives up on the call, in seconds.
-RESPONSE_MARGIN_SECONDS = 0.05
+# the caller before it gives up: a tenth of the time left, within [0.05 s, 1 s], since stopping
+# a call (killing a sandbox, removing its cgroup) takes longer on a loaded machine.
+RESPONSE_MARGIN_FRACTION = 0.1
+RESPONSE_MARGIN_BOUNDS_SECONDS = (0.05, 1.0)
 
 
 class ToolServicer(tool_pb2_grpc.ToolServiceServicer):
@@ -49,11 +51,11 @@ class ToolServicer(tool_pb2_grpc.ToolServiceServicer):
     async def Execute(self, request, context):
         _require(request.tool_name, "tool_name")
         remaining = context.time_remaining()
-        deadline = (
-            None
-            if remaining is None
-            else asyncio.get_running_loop().time() + remaining - RESPONSE_MARGIN_SECONDS
-        )
+        deadline = None
+        if remaining is not None:
+            low, high = RESPONSE_MARGIN_BOUNDS_SECONDS
+            margin = min(max(remaining * RESPONSE_MARGIN_FRACTION, low), high)
+            deadline = asyncio.get_running_loop().time() + remaining - margin
         result = await self._service.execute(
             request.tool_name, request.arguments, request.session_id, deadline
         )

@@ -184,7 +184,7 @@ async def test_infinite_loop_scores_zero_with_the_timeout():
         code_scorer(address) as scorer,
         # Its deadline ends before the sandbox's wall limit: the tool service still answers
         # with a TIMEOUT result in time, not a DEADLINE_EXCEEDED status.
-        code_scorer(address, timeout_seconds=1) as impatient,
+        code_scorer(address, timeout_seconds=2) as impatient,
     ):
         hang, stdio_hang, short_deadline = await asyncio.gather(
             scorer.score(request("    while True:\n        pass\n", truth)),
