@@ -2,6 +2,7 @@
 templates, scorers and judges read."""
 
 import base64
+import json
 from typing import Any
 
 from turnrl.v1 import common_pb2
@@ -12,6 +13,7 @@ ROLE_NAMES = {
     common_pb2.Message.ROLE_ASSISTANT: "assistant",
     common_pb2.Message.ROLE_TOOL: "tool",
 }
+ROLES_BY_NAME = {name: role for role, name in ROLE_NAMES.items()}
 
 
 def message_to_dict(message: common_pb2.Message) -> dict[str, Any]:
@@ -46,3 +48,35 @@ def _part_to_dict(part: common_pb2.ContentPart) -> dict[str, Any]:
     image = part.image
     url = image.url or f"data:{image.mime_type};base64,{base64.b64encode(image.data).decode()}"
     return {"type": "image_url", "image_url": {"url": url}}
+
+
+def dict_to_message(message: dict[str, Any]) -> common_pb2.Message:
+    """The wire form of an OpenAI chat message (text content, or a list of text and image_url
+    parts). Raises ValueError for an unknown role."""
+    role = ROLES_BY_NAME.get(message.get("role", ""))
+    if role is None:
+        raise ValueError(f"unknown role {message.get('role')!r}; known: {sorted(ROLES_BY_NAME)}")
+    content = message.get("content") or ""
+    parts = [content] if isinstance(content, str) else content
+    proto = common_pb2.Message(
+        role=role,
+        tool_call_id=message.get("tool_call_id", ""),
+        name=message.get("name", ""),
+        reasoning_content=message.get("reasoning_content", ""),
+    )
+    for part in parts:
+        if isinstance(part, str):
+            proto.content.add(text=part)
+        elif part.get("type") == "text":
+            proto.content.add(text=part["text"])
+        else:
+            proto.content.add(image=common_pb2.Image(url=part["image_url"]["url"]))
+    for call in message.get("tool_calls", []):
+        function = call["function"]
+        arguments = function["arguments"]
+        proto.tool_calls.add(
+            id=call.get("id", ""),
+            name=function["name"],
+            arguments=arguments if isinstance(arguments, str) else json.dumps(arguments),
+        )
+    return proto

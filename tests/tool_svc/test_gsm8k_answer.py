@@ -3,7 +3,8 @@
 import pytest
 
 from tool_svc.tools.base import ToolCallError
-from tool_svc.tools.gsm8k_answer import Gsm8kAnswerOptions, Gsm8kAnswerTool, last_number
+from tool_svc.tools.gsm8k_answer import Gsm8kAnswerOptions, Gsm8kAnswerTool
+from turnrl.answers import last_number
 
 
 @pytest.fixture

@@ -6,17 +6,15 @@ improves on the best so far and -0.05 otherwise (a penalty for repeating wrong a
 session's reward (CalcReward) is 1.0 once a correct answer was submitted, else 0.0.
 """
 
-import re
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any, ClassVar
 
 from pydantic import Field
 
 from tool_svc.tools.base import Tool, ToolCallError, ToolErrorKind, ToolResult
+from turnrl.answers import last_number
 from turnrl.config import StrictModel
-
-NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
 class Gsm8kAnswerOptions(StrictModel):
@@ -84,17 +82,6 @@ class Gsm8kAnswerTool(Tool):
 
     async def calc_reward(self, session: Gsm8kSession) -> float:
         return session.best_reward
-
-
-def last_number(text: str) -> Decimal | None:
-    """The last number in `text` ('$1,234.50' -> 1234.50), or None."""
-    matches = NUMBER.findall(text)
-    if not matches:
-        return None
-    try:
-        return Decimal(matches[-1].replace(",", ""))
-    except InvalidOperation:
-        return None
 
 
 def _plain(value: Decimal) -> str:
