@@ -1,0 +1,86 @@
+"""The engine interface: token ids in, token ids and their logprobs out.
+
+An engine never sees text. The agent loop hands it the exact ids of the conversation so far
+and keeps the ids it returns as they are (token-in, token-out), so the trainer trains on
+precisely the tokens the policy sampled.
+"""
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one model turn is sampled."""
+
+    max_new_tokens: int
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    # Ids that end the turn (kept in the output), besides the engine's own EOS ids.
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+class FinishReason(enum.StrEnum):
+    """Why one generation ended."""
+
+    STOP = "stop"  # a stop or EOS token was sampled (it is the last output id)
+    LENGTH = "length"  # max_new_tokens was reached
+    ABORT = "abort"  # abort() was called; the output holds the tokens sampled until then
+
+
+@dataclass
+class GenerateOutput:
+    """The sampled ids, the logprob of each under the policy that sampled it, and that
+    policy's version per token (a generation paused for a weight push spans two versions)."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    policy_versions: list[int]
+    finish_reason: FinishReason
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    """An inference engine serving many concurrent requests."""
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the weights now loaded; 0 for the initial weights."""
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, request_id: str, session_id: str = ""
+    ) -> GenerateOutput:
+        """Samples a continuation of `input_ids`. Requests of one `session_id` (one trajectory)
+        extend each other; an engine may keep the session's KV cache between them and
+        recompute only the new suffix."""
+
+    async def abort(self, request_id: str) -> None:
+        """Ends a running request early: its generate() returns with FinishReason.ABORT."""
+
+    async def end_session(self, session_id: str) -> None:
+        """Frees what the engine keeps for a session (its KV cache)."""
+
+    async def pause(self) -> None:
+        """Stops decoding at the next step; running requests keep their tokens and wait."""
+
+    async def resume(self) -> None:
+        """Continues decoding after pause()."""
+
+    async def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], policy_version: int
+    ) -> None:
+        """Loads new weights (engine paused by the caller) and takes `policy_version`."""
+
+    def stats(self) -> dict[str, float]:
+        """Current engine metrics: running requests, queued requests, KV cache use, ..."""
+
+    async def close(self) -> None:
+        """Stops the engine and frees its memory."""

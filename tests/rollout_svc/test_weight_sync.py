@@ -1,0 +1,132 @@
+"""Weight updates: bucket layout, a real gloo broadcast from a trainer-side rank 0 in another
+thread, and the chunked fallback."""
+
+import asyncio
+import datetime
+import socket
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rollout_svc.weight_sync import ChunkAssembler, WeightReceiver
+from turnrl.errors import FailedPreconditionError, InvalidArgumentError
+from turnrl.weights import TensorMeta, pack, plan_buckets, unpack
+
+
+def state_dict() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {
+        "embed.weight": torch.randn(50, 16),
+        "layers.0.norm.weight": torch.randn(16).to(torch.bfloat16),
+        "layers.0.mlp.weight": torch.randn(32, 16).to(torch.float16),
+        "scalar": torch.randn(()),
+    }
+
+
+def metas_of(tensors: dict[str, torch.Tensor]) -> list[TensorMeta]:
+    return [TensorMeta(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+
+
+def test_buckets_respect_the_size_and_the_order():
+    metas = metas_of(state_dict())
+    buckets = plan_buckets(metas, bucket_size_bytes=1024)
+    assert [i for bucket in buckets for i in bucket] == list(range(len(metas)))
+    for bucket in buckets:
+        size = sum(metas[i].nbytes for i in bucket)
+        assert size <= 1024 or len(bucket) == 1  # only a tensor larger than a bucket is alone
+    assert len(plan_buckets(metas, bucket_size_bytes=1 << 30)) == 1
+
+
+def test_pack_and_unpack_are_exact():
+    tensors = state_dict()
+    out = unpack(pack(tensors.values()), metas_of(tensors))
+    assert all(
+        torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(tensors.values(), out, strict=True)
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trainer_rank_zero(port: int, tensors: dict[str, torch.Tensor], bucket_size: int) -> None:
+    """What the trainer's rank 0 does: host the store, broadcast the buckets."""
+    timeout = datetime.timedelta(seconds=30)
+    store = dist.TCPStore("127.0.0.1", port, 2, True, timeout)
+    group = dist.ProcessGroupGloo(store, 0, 2, timeout)
+    values = list(tensors.values())
+    for bucket in plan_buckets(metas_of(tensors), bucket_size):
+        flat = pack([values[i] for i in bucket])
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        group.broadcast([flat], options).wait()
+
+
+async def test_receives_a_gloo_broadcast_from_rank_zero():
+    tensors, port, bucket_size = state_dict(), free_port(), 2048
+    trainer = threading.Thread(target=trainer_rank_zero, args=(port, tensors, bucket_size))
+    trainer.start()
+    receiver = WeightReceiver()
+    await receiver.join("127.0.0.1", port, 2, 1, "gloo", "weights", timeout_seconds=30)
+    received = await receiver.receive("weights", metas_of(tensors), bucket_size)
+    await asyncio.to_thread(trainer.join)
+    assert [name for name, _ in received] == list(tensors)
+    for (_, got), expected in zip(received, tensors.values(), strict=True):
+        assert torch.equal(got, expected) and got.dtype == expected.dtype
+
+
+@pytest.mark.parametrize(
+    ("backend", "rank", "message"),
+    [("mpi", 1, "backend 'mpi'"), ("gloo", 0, "rank 0 must be in 1..1"), ("gloo", 2, "rank 2")],
+)
+async def test_bad_group_settings_are_invalid(backend, rank, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        await WeightReceiver().join("127.0.0.1", 1, 2, rank, backend, "g", timeout_seconds=1)
+
+
+async def test_receive_without_a_group_is_a_failed_precondition():
+    with pytest.raises(FailedPreconditionError, match="no weight-sync group 'weights'"):
+        await WeightReceiver().receive("weights", metas_of(state_dict()), 1024)
+
+
+async def test_join_times_out_naming_the_address():
+    with pytest.raises(TimeoutError, match=r"within 0\.5s"):
+        await WeightReceiver().join(
+            "127.0.0.1", free_port(), 2, 1, "gloo", "g", timeout_seconds=0.5
+        )
+
+
+def test_chunks_rebuild_the_tensors():
+    tensors = state_dict()
+    metas = metas_of(tensors)
+    assembler = ChunkAssembler(metas)
+    for index, tensor in enumerate(tensors.values()):
+        data = pack([tensor]).numpy().tobytes()
+        for offset in range(0, len(data), 100):
+            assembler.add(index, offset, data[offset : offset + 100])
+    rebuilt = assembler.tensors()
+    assert all(torch.equal(a, b) for a, (_, b) in zip(tensors.values(), rebuilt, strict=True))
+    assert assembler.bytes_received == sum(m.nbytes for m in metas)
+
+
+@pytest.mark.parametrize(
+    ("index", "offset", "size", "message"),
+    [
+        (9, 0, 4, "the header has 4 tensors"),
+        (0, 8, 4, "chunk at byte 8, expected 0"),
+        (3, 0, 8, "exceed its 4 bytes"),
+    ],
+)
+def test_bad_chunks_are_invalid(index, offset, size, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        ChunkAssembler(metas_of(state_dict())).add(index, offset, b"x" * size)
+
+
+def test_missing_bytes_are_invalid():
+    assembler = ChunkAssembler(metas_of(state_dict()))
+    with pytest.raises(InvalidArgumentError, match=r"'embed.weight': got 0 of its 3200 bytes"):
+        assembler.tensors()
