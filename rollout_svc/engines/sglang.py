@@ -1,0 +1,655 @@
+"""SGLang as the rollout engine, through the native HTTP API of an SGLang server.
+
+The engine either connects to a running server (`url`) or starts one itself (`launch`: runs
+`python -m sglang.launch_server` bound to 127.0.0.1, waits until it is healthy, stops it on
+close). Token in, token out: `/generate` gets `input_ids` and answers each sampled token with
+its logprob (`meta_info.output_token_logprobs`, [logprob, token_id, text] triples); the ids
+and logprobs are both read from those triples, so they cannot fall out of step.
+
+- Sessions: SGLang's radix cache finds the prefix a session's requests share by itself, so
+  `session_id` is not sent and `end_session` has nothing to free.
+- Pause: `/pause_generation` in "retract" mode. Running requests go back to the waiting queue
+  with their tokens and are prefilled again on resume, under the weights then loaded. The
+  "in_place" mode would keep KV computed by the old weights, and SGLang asserts an idle cache
+  when it flushes after a weight update, so it is not offered. (Servers older than the mode
+  field abort the running requests instead.)
+- Weights arrive over a torch.distributed group that the trainer broadcasts on:
+  `init_weight_sync` joins it once, `update_weights_from_distributed` receives one bucket.
+  Each bucket names the new `policy_version` as SGLang's `weight_version`; servers that report
+  per-token `weight_versions` spans let a generation that spans a push carry both versions.
+- Failures name the server URL and map onto turnrl errors: unreachable or HTTP 5xx/429 ->
+  UnavailableError, too slow -> DeadlineExceededError, other HTTP errors -> InvalidArgumentError
+  (FailedPreconditionError where the server refuses for its state); an answer of the wrong
+  shape (an incompatible server version) is a RuntimeError. Only idempotent calls (health,
+  model info, abort, pause, resume, flush) are retried, `max_retries` times.
+"""
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Literal, Self, TypeVar
+
+import httpx
+import tenacity
+import torch
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from rollout_svc.engines.base import FinishReason, GenerateOutput, SamplingParams
+from turnrl.config import StrictModel
+from turnrl.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    TurnrlError,
+    UnavailableError,
+)
+from turnrl.http_json import MAX_ERROR_BODY_CHARS
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LAUNCH_COMMAND = (sys.executable, "-m", "sglang.launch_server")
+DEFAULT_GROUP_NAME = "weight_update_group"
+RETRY_BASE_SECONDS = 0.1
+RETRY_MAX_SECONDS = 2.0
+PR_SET_PDEATHSIG = 1
+
+ReplyT = TypeVar("ReplyT", bound=BaseModel)
+
+
+class SglangLaunchOptions(StrictModel):
+    """How the engine starts its own SGLang server."""
+
+    model_path: str = Field(description="Model directory or hub id, passed as --model-path.")
+    host: str = Field(
+        default="127.0.0.1",
+        description="Interface the server binds (--host); 127.0.0.1 keeps it private.",
+    )
+    port: int = Field(
+        default=30000, ge=0, le=65535, description="HTTP port (--port); 0 picks a free one."
+    )
+    extra_args: tuple[str, ...] = Field(
+        default=(),
+        description="More `sglang.launch_server` arguments, passed through as given, e.g. "
+        "['--tp-size', '2', '--mem-fraction-static', '0.7'].",
+    )
+    command: tuple[str, ...] = Field(
+        default=DEFAULT_LAUNCH_COMMAND,
+        min_length=1,
+        description="The command that starts the server; --model-path, --host, --port and "
+        "extra_args are appended.",
+    )
+    shutdown_timeout_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="Seconds the server gets to exit after SIGTERM before it is killed.",
+    )
+
+
+class SglangEngineOptions(StrictModel):
+    """Settings of the SGLang engine (`engine_kwargs` when the engine is "sglang")."""
+
+    url: str | None = Field(
+        default=None, description="Base URL of a running server, e.g. http://127.0.0.1:30000."
+    )
+    launch: SglangLaunchOptions | None = Field(
+        default=None, description="Start a server instead of connecting to `url`."
+    )
+    startup_timeout_seconds: float = Field(
+        default=900.0,
+        gt=0,
+        description="Seconds to wait for the server to answer its health check at start.",
+    )
+    request_timeout_seconds: float = Field(
+        default=900.0, gt=0, description="Deadline of one generate request, in seconds."
+    )
+    control_timeout_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="Deadline of abort, pause, resume, flush, health and model-info calls.",
+    )
+    weight_sync_timeout_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        description="Deadline of joining the weight group and of receiving one bucket.",
+    )
+    max_retries: int = Field(
+        default=2,
+        ge=0,
+        description="Retries of an idempotent call that failed to connect or got HTTP 5xx/429.",
+    )
+    max_concurrent_requests: int = Field(
+        default=1024, gt=0, description="HTTP connections to the server, so requests at once."
+    )
+
+    @model_validator(mode="after")
+    def _one_server(self) -> Self:
+        if (self.url is None) == (self.launch is None):
+            raise ValueError("set exactly one of url (a running server) and launch")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url {self.url!r} must start with http:// or https://")
+        return self
+
+
+class _FinishReasonReply(BaseModel):
+    type: Literal["stop", "length", "abort"]
+    matched: int | str | None = None
+    message: str | None = None
+
+
+class _WeightVersionSpan(BaseModel):
+    version: str
+    start: int
+    end: int
+
+
+class _MetaInfo(BaseModel):
+    finish_reason: _FinishReasonReply
+    output_token_logprobs: list[tuple[float, int, str | None]]
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    e2e_latency: float | None = None
+    weight_version: str | None = None
+    weight_versions: list[_WeightVersionSpan] | None = None
+
+
+class _GenerateReply(BaseModel):
+    meta_info: _MetaInfo
+
+
+class _ModelInfo(BaseModel):
+    model_path: str
+    is_generation: bool = True
+    weight_version: str | None = None
+
+
+class _WeightSyncReply(BaseModel):
+    success: bool
+    message: str = ""
+
+
+class SglangEngine:
+    """The `Engine` protocol over an SGLang server's HTTP API (see the module docstring)."""
+
+    def __init__(
+        self,
+        options: SglangEngineOptions,
+        url: str,
+        process: asyncio.subprocess.Process | None = None,
+    ) -> None:
+        """Use `create()`, which also starts the server and checks it."""
+        self.url = url.rstrip("/")
+        self._options = options
+        self._process = process
+        limits = httpx.Limits(
+            max_connections=options.max_concurrent_requests,
+            max_keepalive_connections=options.max_concurrent_requests,
+        )
+        # Deadlines come from asyncio.timeout per call; no proxy from the environment.
+        self._client = httpx.AsyncClient(timeout=None, limits=limits, trust_env=False)
+        self._policy_version = 0
+        self._running: set[str] = set()
+        self._paused = False
+        self._totals = {"requests": 0, "generated_tokens": 0, "aborted": 0}
+
+    @classmethod
+    async def create(cls, options: SglangEngineOptions) -> Self:
+        """Starts the server when `options.launch` is set, waits until it is healthy and checks
+        that it serves a generation model; the engine takes the version the server reports.
+
+        Raises UnavailableError when the server is unreachable or its process exits during
+        start-up, DeadlineExceededError when it is not healthy in `startup_timeout_seconds`,
+        and InvalidArgumentError when it serves an embedding model.
+        """
+        if options.launch is None:
+            assert options.url is not None  # the options validator ensures one of the two
+            engine = cls(options, options.url)
+        else:
+            process, url = await _start_server(options.launch)
+            engine = cls(options, url, process)
+        try:
+            await engine._wait_until_healthy()
+            reply = await engine._call("GET", "/get_model_info", idempotent=True)
+            info = engine._parse(reply, _ModelInfo)
+            if not info.is_generation:
+                raise InvalidArgumentError(
+                    f"SGLang server at {engine.url!r} serves {info.model_path!r}, which is not "
+                    "a generation model"
+                )
+            engine._policy_version = _version_number(info.weight_version)
+        except BaseException:
+            await engine.close()
+            raise
+        return engine
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the weights now loaded; 0 for weights no push has named."""
+        return self._policy_version
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, request_id: str, session_id: str = ""
+    ) -> GenerateOutput:
+        """Samples a continuation of `input_ids` (`session_id` is not needed: see the module
+        docstring). When the deadline passes or the caller cancels, the server is told to
+        abort the request before the error propagates.
+
+        Raises InvalidArgumentError for empty `input_ids`, a `request_id` already running, or
+        a request the server rejects (ids outside the vocabulary, too long a prompt).
+        """
+        if not input_ids:
+            raise InvalidArgumentError("input_ids is empty; generation needs a prompt")
+        if request_id in self._running:
+            raise InvalidArgumentError(f"request_id {request_id!r} is already running")
+        body = {
+            "rid": request_id,
+            "input_ids": list(input_ids),
+            "sampling_params": _sampling_params(sampling),
+            "return_logprob": True,
+            "logprob_start_len": -1,  # logprobs of the output tokens only
+            "stream": False,
+        }
+        self._running.add(request_id)
+        try:
+            reply = await self._call(
+                "POST", "/generate", body, timeout_seconds=self._options.request_timeout_seconds
+            )
+        except (asyncio.CancelledError, DeadlineExceededError):
+            await self._abort_abandoned(request_id)
+            raise
+        finally:
+            self._running.discard(request_id)
+        meta = self._parse(reply, _GenerateReply).meta_info
+        output = GenerateOutput(
+            output_ids=[token_id for _, token_id, _ in meta.output_token_logprobs],
+            logprobs=[logprob for logprob, _, _ in meta.output_token_logprobs],
+            policy_versions=self._token_versions(meta),
+            finish_reason=FinishReason(meta.finish_reason.type),
+            metrics=_request_metrics(meta),
+        )
+        self._totals["requests"] += 1
+        self._totals["generated_tokens"] += len(output.output_ids)
+        self._totals["aborted"] += output.finish_reason is FinishReason.ABORT
+        return output
+
+    async def abort(self, request_id: str) -> None:
+        """Ends a running request early; its generate() returns the tokens sampled so far with
+        FinishReason.ABORT. A request that is not running (finished, unknown) is left alone."""
+        if request_id in self._running:
+            await self._call("POST", "/abort_request", {"rid": request_id}, idempotent=True)
+
+    async def end_session(self, session_id: str) -> None:
+        """Nothing to free: the radix cache evicts a session's prefix when it needs the room."""
+
+    async def pause(self) -> None:
+        """Stops decoding; running requests keep their tokens and wait in the server's queue."""
+        await self._call("POST", "/pause_generation", {"mode": "retract"}, idempotent=True)
+        self._paused = True
+
+    async def resume(self) -> None:
+        """Continues decoding after pause(); waiting requests are prefilled again first."""
+        await self._call("POST", "/continue_generation", {}, idempotent=True)
+        self._paused = False
+
+    async def flush_cache(self) -> None:
+        """Empties the radix cache. Raises FailedPreconditionError while requests run."""
+        await self._call(
+            "POST", "/flush_cache", idempotent=True, rejected_error=FailedPreconditionError
+        )
+
+    async def init_weight_sync(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = DEFAULT_GROUP_NAME,
+        backend: str = "nccl",
+    ) -> None:
+        """Joins the trainer's weight-broadcast group; the server's ranks take `rank_offset`
+        onwards. Returns once every rank joined, so the trainer must join at the same time.
+
+        Raises FailedPreconditionError when the server cannot join (wrong address, a group of
+        that name exists) and DeadlineExceededError after `weight_sync_timeout_seconds`.
+        """
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        await self._weight_sync_call("/init_weights_update_group", body)
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str | torch.dtype],
+        shapes: Sequence[Sequence[int]],
+        policy_version: int,
+        *,
+        group_name: str = DEFAULT_GROUP_NAME,
+        flush_cache: bool = True,
+    ) -> None:
+        """Receives one bucket of parameters that the trainer broadcasts on the group, in the
+        order of `names`, and takes `policy_version`. The engine must be paused. Pass
+        `flush_cache=False` for every bucket of a push but the last.
+
+        Raises InvalidArgumentError when the three lists differ in length or a dtype is not a
+        torch dtype, FailedPreconditionError when the engine is not paused, the version is
+        older than the loaded one, or the server fails to load the bucket.
+        """
+        if not len(names) == len(dtypes) == len(shapes):
+            raise InvalidArgumentError(
+                f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, "
+                f"{len(shapes)}"
+            )
+        if not self._paused:
+            raise FailedPreconditionError(
+                "pause() the engine before updating its weights: SGLang flushes its cache after "
+                "an update and fails while requests run"
+            )
+        if policy_version < self._policy_version:
+            raise FailedPreconditionError(
+                f"policy_version {policy_version} is older than the loaded version "
+                f"{self._policy_version}"
+            )
+        body = {
+            "names": list(names),
+            "dtypes": [_dtype_name(dtype) for dtype in dtypes],
+            "shapes": [list(shape) for shape in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "weight_version": str(policy_version),
+        }
+        await self._weight_sync_call("/update_weights_from_distributed", body)
+        self._policy_version = policy_version
+
+    async def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], policy_version: int
+    ) -> None:
+        """Not supported: see the NotImplementedError message."""
+        raise NotImplementedError(
+            "the SGLang engine receives weights over the distributed group: call "
+            "init_weight_sync() once, then update_weights_from_distributed() per bucket while "
+            "the trainer broadcasts (SGLang's /update_weights_from_tensor takes CUDA IPC "
+            "handles, which only a process on the same GPUs can make)"
+        )
+
+    def stats(self) -> dict[str, float]:
+        """Counts kept by this client: requests running now, finished, aborted, tokens made."""
+        return {
+            "running_requests": float(len(self._running)),
+            "paused": float(self._paused),
+            "policy_version": float(self._policy_version),
+            "requests_total": float(self._totals["requests"]),
+            "generated_tokens_total": float(self._totals["generated_tokens"]),
+            "aborted_total": float(self._totals["aborted"]),
+        }
+
+    async def close(self) -> None:
+        """Closes the connections and stops the server this engine launched: SIGTERM to its
+        process group, SIGKILL after `shutdown_timeout_seconds`. A server given by `url` keeps
+        running."""
+        await self._client.aclose()
+        if self._process is not None and self._options.launch is not None:
+            await _stop_process_group(self._process, self._options.launch.shutdown_timeout_seconds)
+
+    async def _wait_until_healthy(self) -> None:
+        """Polls GET /health_generate (which runs a one-token generation) until it answers 200."""
+
+        async def healthy() -> bool:
+            if self._process is not None and self._process.returncode is not None:
+                raise UnavailableError(
+                    f"SGLang server process {self._process.pid} exited with code "
+                    f"{self._process.returncode} before {self.url!r} became healthy; its log "
+                    "is above"
+                )
+            try:
+                response = await self._client.get(
+                    f"{self.url}/health_generate", timeout=self._options.control_timeout_seconds
+                )
+            except httpx.TransportError:
+                return False
+            return response.status_code == 200
+
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_result(lambda is_healthy: not is_healthy),
+            wait=tenacity.wait_exponential_jitter(
+                multiplier=RETRY_BASE_SECONDS, max=RETRY_MAX_SECONDS, jitter=RETRY_BASE_SECONDS
+            ),
+        )
+        timeout_seconds = self._options.startup_timeout_seconds
+        log.info(
+            "waiting up to %g s for the SGLang server at %s to be healthy",
+            timeout_seconds,
+            self.url,
+        )
+        try:
+            async with asyncio.timeout(timeout_seconds):
+                await retrying(healthy)
+        except TimeoutError:
+            raise DeadlineExceededError(
+                f"SGLang server at {self.url!r} was not healthy within {timeout_seconds:g} s"
+            ) from None
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        *,
+        timeout_seconds: float | None = None,
+        idempotent: bool = False,
+        rejected_error: type[TurnrlError] = InvalidArgumentError,
+    ) -> httpx.Response:
+        """Sends one request within `timeout_seconds` (default: control_timeout_seconds) and
+        returns its 200 answer; the errors are those of the module docstring.
+
+        Not `turnrl.http_json.post_json`: several SGLang endpoints are GETs or answer with an
+        empty or plain-text body.
+        """
+        timeout_seconds = timeout_seconds or self._options.control_timeout_seconds
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception_type(httpx.TransportError)
+            | tenacity.retry_if_result(_is_retryable),
+            stop=tenacity.stop_after_attempt(self._options.max_retries + 1 if idempotent else 1),
+            wait=tenacity.wait_exponential_jitter(
+                multiplier=RETRY_BASE_SECONDS, max=RETRY_MAX_SECONDS, jitter=RETRY_BASE_SECONDS
+            ),
+            # After the last attempt: its response, or its exception, as it came.
+            retry_error_callback=lambda state: state.outcome.result(),
+        )
+        server = f"SGLang server at {self.url!r}"
+        try:
+            async with asyncio.timeout(timeout_seconds):
+                response = await retrying(self._client.request, method, self.url + path, json=body)
+        except (TimeoutError, httpx.TimeoutException):
+            raise DeadlineExceededError(
+                f"{server} did not answer {method} {path} within {timeout_seconds:g} s"
+            ) from None
+        except httpx.TransportError as e:
+            raise UnavailableError(
+                f"{server} is unreachable for {method} {path} ({type(e).__name__}: {e})"
+            ) from None
+        if _is_retryable(response):
+            raise UnavailableError(
+                f"{server} failed {method} {path}: HTTP {response.status_code} "
+                f"{_error_detail(response)!r}"
+            )
+        if response.status_code != 200:
+            raise rejected_error(
+                f"{server} rejected {method} {path}: HTTP {response.status_code} "
+                f"{_error_detail(response)!r}"
+            )
+        return response
+
+    def _parse(self, response: httpx.Response, model: type[ReplyT]) -> ReplyT:
+        """The answer as `model`; RuntimeError (an incompatible server: a bug to report, not a
+        caller's mistake) when it does not fit."""
+        try:
+            return model.model_validate_json(response.content)
+        except ValidationError as e:
+            raise RuntimeError(
+                f"SGLang server at {self.url!r} sent a malformed answer to "
+                f"{response.request.method} {response.request.url.path} ({e.errors()[0]['msg']} "
+                f"at {e.errors()[0]['loc']}): {response.text[:MAX_ERROR_BODY_CHARS]!r}"
+            ) from None
+
+    async def _weight_sync_call(self, path: str, body: dict) -> None:
+        response = await self._call(
+            "POST",
+            path,
+            body,
+            timeout_seconds=self._options.weight_sync_timeout_seconds,
+            rejected_error=FailedPreconditionError,
+        )
+        reply = self._parse(response, _WeightSyncReply)
+        if not reply.success:
+            raise FailedPreconditionError(
+                f"SGLang server at {self.url!r} failed POST {path}: {reply.message!r}"
+            )
+
+    async def _abort_abandoned(self, request_id: str) -> None:
+        """Tells the server to drop a request whose caller gave up. Failures are logged only:
+        the server also aborts a request once its connection closes."""
+        try:
+            await self._call("POST", "/abort_request", {"rid": request_id}, idempotent=True)
+        except TurnrlError as e:
+            log.warning("could not abort abandoned request %r: %s", request_id, e)
+
+    def _token_versions(self, meta: _MetaInfo) -> list[int]:
+        """The policy version of each output token, from the server's version spans when it
+        reports them, else the version it reports at the end (or this engine's) for all."""
+        count = len(meta.output_token_logprobs)
+        if meta.weight_versions:
+            versions = [
+                _version_number(span.version)
+                for span in meta.weight_versions
+                for _ in range(span.end - span.start)
+            ]
+            if len(versions) == count:
+                return versions
+        if meta.weight_version is not None:
+            return [_version_number(meta.weight_version)] * count
+        return [self._policy_version] * count
+
+
+def _sampling_params(sampling: SamplingParams) -> dict:
+    params = {
+        "max_new_tokens": sampling.max_new_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,  # SGLang: -1 is off, 0 invalid
+        "min_p": sampling.min_p,
+        "repetition_penalty": sampling.repetition_penalty,
+        "stop_token_ids": list(sampling.stop_token_ids),
+        # Token in, token out: nothing dropped or trimmed from what comes back.
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    if sampling.seed is not None:  # servers before sampling_seed reject the key
+        params["sampling_seed"] = sampling.seed
+    return params
+
+
+def _request_metrics(meta: _MetaInfo) -> dict[str, float]:
+    metrics = {
+        "prompt_tokens": meta.prompt_tokens,
+        "cached_prompt_tokens": meta.cached_tokens,
+        "latency_seconds": meta.e2e_latency,
+    }
+    return {name: float(value) for name, value in metrics.items() if value is not None}
+
+
+def _version_number(label: str | None) -> int:
+    """Our policy version from SGLang's weight_version label. Pushes label versions with their
+    number; any other label ("default") means the weights the server started with: 0."""
+    try:
+        return int(label or "0")
+    except ValueError:
+        return 0
+
+
+def _dtype_name(dtype: str | torch.dtype) -> str:
+    """The dtype as SGLang looks it up (`getattr(torch, name)`): "bfloat16"."""
+    name = str(dtype).removeprefix("torch.")
+    if not isinstance(getattr(torch, name, None), torch.dtype):
+        raise InvalidArgumentError(f"dtype {dtype!r} is not a torch dtype, e.g. 'bfloat16'")
+    return name
+
+
+def _is_retryable(response: httpx.Response) -> bool:
+    return response.status_code == 429 or response.status_code >= 500
+
+
+def _error_detail(response: httpx.Response) -> str:
+    """The server's error message (SGLang answers {"error": {"message"}}, {"message"} or
+    text), clipped."""
+    try:
+        body = response.json()
+    except json.JSONDecodeError:
+        body = None
+    if isinstance(body, dict):
+        error = body.get("error")
+        message = error.get("message") if isinstance(error, dict) else body.get("message")
+        if isinstance(message, str):
+            return message[:MAX_ERROR_BODY_CHARS]
+    return response.text[:MAX_ERROR_BODY_CHARS]
+
+
+async def _start_server(launch: SglangLaunchOptions) -> tuple[asyncio.subprocess.Process, str]:
+    """Starts the server process in its own process group; returns it and its base URL."""
+    port = launch.port or _free_port(launch.host)
+    command = [
+        *launch.command,
+        *("--model-path", launch.model_path, "--host", launch.host, "--port", str(port)),
+        *launch.extra_args,
+    ]
+    log.info("starting SGLang: %s", " ".join(command))
+    process = await asyncio.create_subprocess_exec(
+        *command,
+        stdin=asyncio.subprocess.DEVNULL,
+        # Its own group, so close() can stop the scheduler and detokenizer processes too.
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
+    client_host = "127.0.0.1" if launch.host in ("0.0.0.0", "") else launch.host
+    return process, f"http://{client_host}:{port}"
+
+
+def _die_with_parent() -> None:
+    # Runs in the child before exec: if the rollout service dies, the server gets SIGTERM
+    # instead of holding the GPUs.
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _free_port(host: str) -> int:
+    # Another process may take the port before the server binds it; start-up then fails loudly.
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+async def _stop_process_group(process: asyncio.subprocess.Process, timeout_seconds: float) -> None:
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            async with asyncio.timeout(timeout_seconds):
+                await process.wait()
+        except TimeoutError:
+            log.warning("SGLang server pid %d ignored SIGTERM; killing it", process.pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+    # Worker processes that outlived the main one would keep GPU memory.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
