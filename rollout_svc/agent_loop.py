@@ -1,0 +1,429 @@
+"""The multi-turn agent loop: one (prompt, sample) from its first token to its reward.
+
+generate -> parse tool calls -> call the tool service (the calls of one turn concurrently)
+-> append the results -> generate again, until the model answers without a tool call (and no
+interaction asks for more), `max_turns`, or a length limit. Every trajectory is its own asyncio
+task, so a slow tool call holds up only its own trajectory.
+
+Token ids come from the engine as they are and are never re-tokenized; only new non-model
+messages are tokenized, by `ConversationTokens` (the chat template's difference rule). A
+malformed call, an unknown tool, a tool timeout or a dead tool service becomes a tool message
+the model reads, never a lost trajectory.
+"""
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from rollout_svc.engines.base import Engine, SamplingParams
+from rollout_svc.engines.base import FinishReason as EngineFinish
+from rollout_svc.interactions.base import Interaction
+from rollout_svc.parsers import ParsedTurn
+from turnrl.chat_tokens import ConversationTokens
+from turnrl.messages import dict_to_message
+from turnrl.trajectory import FinishReason, Segment, SegmentSource, Trajectory, TurnMetrics
+from turnrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, tool_pb2, tool_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """One prompt of a Generate call, as plain Python values (verl's dataset row)."""
+
+    prompt_id: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool schemas
+    tools_kwargs: dict[str, Any] = field(default_factory=dict)
+    interaction_name: str = ""
+    interaction_kwargs: dict[str, Any] = field(default_factory=dict)
+    data_source: str = ""
+    ground_truth: Any = None
+    extra_info: dict[str, Any] = field(default_factory=dict)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RolloutLimits:
+    """The three length limits and the turn limit of one Generate call."""
+
+    max_model_len: int
+    max_response_length: int
+    max_new_tokens: int
+    max_turns: int
+
+
+@dataclass
+class AgentLoop:
+    """Everything a trajectory needs, shared by all of them."""
+
+    engine: Engine
+    tokenizer: Any
+    chat_template: str | None
+    parser: Callable[[str], ParsedTurn]  # a function of rollout_svc.parsers.PARSERS
+    tool_stub: tool_pb2_grpc.ToolServiceStub
+    reward_stub: reward_pb2_grpc.RewardServiceStub
+    interactions: dict[str, Interaction]
+    tool_call_timeout_seconds: float
+    reward_timeout_seconds: float = 120.0
+    # Generate calls being aborted, and the engine requests running per call.
+    aborted: set[str] = field(default_factory=set)
+    engine_requests: dict[str, set[str]] = field(default_factory=dict)
+
+    async def abort(self, request_id: str) -> None:
+        """Ends the trajectories of one Generate call: their running engine requests stop
+        now, and none of them starts another turn."""
+        self.aborted.add(request_id)
+        for engine_request_id in list(self.engine_requests.get(request_id, ())):
+            await self.engine.abort(engine_request_id)
+
+    def forget(self, request_id: str) -> None:
+        """Drops the bookkeeping of a finished Generate call."""
+        self.aborted.discard(request_id)
+        self.engine_requests.pop(request_id, None)
+
+    async def run(
+        self,
+        prompt: PromptSpec,
+        sample_index: int,
+        sampling: SamplingParams,
+        limits: RolloutLimits,
+        enable_scoring: bool,
+        request_id: str,
+    ) -> Trajectory:
+        """Rolls out one sample of `prompt`; never raises for the trajectory's sake."""
+        trajectory_id = f"{prompt.prompt_id}/{sample_index}"
+        run = _Run(self, prompt, trajectory_id, sampling, limits, request_id)
+        try:
+            await run.start()
+            await run.turns()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("trajectory %s failed", trajectory_id)
+            run.finish(FinishReason.ERROR, f"{type(e).__name__}: {e}")
+        finally:
+            await asyncio.shield(run.release())
+        trajectory = run.trajectory(sample_index)
+        if enable_scoring:
+            trajectory.reward = await self._score(prompt, trajectory)
+        return trajectory
+
+    async def _score(self, prompt: PromptSpec, trajectory: Trajectory) -> common_pb2.Reward:
+        scoring_input = reward_pb2.ScoringInput(
+            data_source=prompt.data_source,
+            response_text=_final_text(trajectory.messages),
+            messages=[dict_to_message(m) for m in trajectory.messages],
+        )
+        if prompt.ground_truth is not None:
+            json_format.ParseDict(prompt.ground_truth, scoring_input.ground_truth)
+        scoring_input.extra_info.update(prompt.extra_info)
+        try:
+            reply = await self.reward_stub.Score(
+                reward_pb2.ScoreRequest(input=scoring_input), timeout=self.reward_timeout_seconds
+            )
+        except grpc.aio.AioRpcError as e:
+            message = f"reward service: {e.code().name}: {e.details()}"
+            return common_pb2.Reward(error=True, error_message=message)
+        return reply.result.reward
+
+
+class _Run:
+    """The state of one trajectory while it runs."""
+
+    def __init__(
+        self,
+        loop: AgentLoop,
+        prompt: PromptSpec,
+        trajectory_id: str,
+        sampling: SamplingParams,
+        limits: RolloutLimits,
+        request_id: str,
+    ) -> None:
+        self.loop = loop
+        self.prompt = prompt
+        self.trajectory_id = trajectory_id
+        self.sampling = sampling
+        self.limits = limits
+        self.request_id = request_id
+        self.messages = [dict(m) for m in prompt.messages]
+        self.segments: list[Segment] = []
+        self.turn_metrics: list[TurnMetrics] = []
+        self.tool_sessions: dict[str, str] = {}
+        self.interaction_state: Any = None
+        self.finish_reason: FinishReason | None = None
+        self.error_message = ""
+        self.step_rewards: list[float] = []
+        self.interaction_scores: list[float] = []
+        self.tokens: ConversationTokens | None = None
+
+    async def start(self) -> None:
+        # The ids a model turn may end on: the tokenizer's end of turn and the call's stops.
+        stop_ids = [self.loop.tokenizer.eos_token_id, *self.sampling.stop_token_ids]
+        self.tokens = ConversationTokens(
+            self.loop.tokenizer,
+            self.loop.chat_template,
+            self.prompt.tools or None,
+            self.prompt.chat_template_kwargs or None,
+            stop_token_ids=stop_ids,
+        )
+        prompt_ids = await asyncio.to_thread(self.tokens.prompt_ids, self.messages)
+        self.segments.append(Segment(SegmentSource.PROMPT, prompt_ids))
+        if self.prompt.interaction_name:
+            interaction = self.loop.interactions.get(self.prompt.interaction_name)
+            if interaction is None:
+                raise ValueError(
+                    f"unknown interaction {self.prompt.interaction_name!r}; "
+                    f"configured: {sorted(self.loop.interactions)}"
+                )
+            self.interaction_state = await interaction.start(**self.prompt.interaction_kwargs)
+
+    async def turns(self) -> None:
+        assert self.tokens is not None
+        for _ in range(self.limits.max_turns):
+            if self.request_id in self.loop.aborted:
+                self.finish(FinishReason.ABORTED)
+                return
+            metrics = TurnMetrics()
+            self.turn_metrics.append(metrics)
+            parsed = await self._model_turn(metrics)
+            if self.finish_reason is not None:
+                return
+            if parsed.tool_calls or parsed.errors:
+                new_messages = await self._call_tools(parsed, metrics)
+                source = SegmentSource.TOOL
+            else:
+                reply = await self._interaction_reply()
+                if reply is None:
+                    return
+                new_messages = [{"role": "user", "content": reply}]
+                source = SegmentSource.USER
+            if not await self._append(new_messages, source):
+                return
+        self.finish(FinishReason.MAX_TURNS)
+
+    async def _model_turn(self, metrics: TurnMetrics) -> ParsedTurn:
+        assert self.tokens is not None
+        model_room = self.limits.max_model_len - len(self.token_ids)
+        response_room = self.limits.max_response_length - self.response_length
+        budget = min(self.limits.max_new_tokens, model_room, response_room)
+        if budget <= 0:
+            limit = model_room <= 0
+            self.finish(FinishReason.MAX_MODEL_LEN if limit else FinishReason.MAX_RESPONSE_LENGTH)
+            return ParsedTurn(content="", tool_calls=[], errors=[])
+        started = time.monotonic()
+        engine_request_id = f"{self.request_id}/{self.trajectory_id}/{len(self.turn_metrics)}"
+        running = self.loop.engine_requests.setdefault(self.request_id, set())
+        running.add(engine_request_id)
+        try:
+            output = await self.loop.engine.generate(
+                self.token_ids,
+                dataclasses.replace(self.sampling, max_new_tokens=budget),
+                request_id=engine_request_id,
+                session_id=self.trajectory_id,
+            )
+        finally:
+            running.discard(engine_request_id)
+        metrics.generate_seconds = time.monotonic() - started
+        metrics.generated_tokens = len(output.output_ids)
+        self._append_model_segments(output.output_ids, output.logprobs, output.policy_versions)
+        # A turn cut short still joins the conversation: its text is what gets scored.
+        message = self.tokens.append_model_turn(output.output_ids)
+        self.messages.append(message)
+        if output.finish_reason is EngineFinish.ABORT:
+            self.finish(FinishReason.ABORTED)
+            return ParsedTurn(content="", tool_calls=[], errors=[])
+        if output.finish_reason is EngineFinish.LENGTH:
+            self.finish(self._length_reason())
+            return ParsedTurn(content="", tool_calls=[], errors=[])
+        parsed = self.loop.parser(message.get("content") or "")
+        message["content"] = parsed.content
+        if parsed.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+                for call in parsed.tool_calls
+            ]
+        return parsed
+
+    def _length_reason(self) -> FinishReason:
+        """Which limit a turn cut short by its token budget ran into."""
+        if len(self.token_ids) >= self.limits.max_model_len:
+            return FinishReason.MAX_MODEL_LEN
+        if self.response_length >= self.limits.max_response_length:
+            return FinishReason.MAX_RESPONSE_LENGTH
+        return FinishReason.MAX_NEW_TOKENS
+
+    async def _call_tools(self, parsed: ParsedTurn, metrics: TurnMetrics) -> list[dict[str, Any]]:
+        started = time.monotonic()
+        results = await asyncio.gather(
+            *(self._call_tool(call.name, call.arguments) for call in parsed.tool_calls)
+        )
+        metrics.tool_latency_seconds = time.monotonic() - started
+        metrics.tool_calls = len(parsed.tool_calls) + len(parsed.errors)
+        messages = []
+        for call, (text, failed) in zip(parsed.tool_calls, results, strict=True):
+            metrics.tool_errors += failed
+            messages.append(
+                {"role": "tool", "content": text, "tool_call_id": call.id, "name": call.name}
+            )
+        for error in parsed.errors:
+            metrics.tool_errors += 1
+            messages.append({"role": "tool", "content": f"Error: {error}"})
+        return messages
+
+    async def _call_tool(self, name: str, arguments: str) -> tuple[str, bool]:
+        """The observation text of one call, and whether it failed."""
+        stub = self.loop.tool_stub
+        timeout = self.loop.tool_call_timeout_seconds
+        try:
+            session_id = await self._tool_session(name)
+            reply = await stub.Execute(
+                tool_pb2.ExecuteRequest(tool_name=name, arguments=arguments, session_id=session_id),
+                timeout=timeout,
+            )
+        except grpc.aio.AioRpcError as e:
+            return (
+                f"Error: the tool service could not run {name!r}: {e.code().name}: {e.details()}",
+                True,
+            )
+        result = reply.result
+        if result.HasField("step_reward"):
+            self.step_rewards.append(result.step_reward)
+        return result.text, result.HasField("error")
+
+    async def _tool_session(self, name: str) -> str:
+        """The session of a tool that has per-trajectory kwargs; "" for the others."""
+        if name in self.tool_sessions or name not in self.prompt.tools_kwargs:
+            return self.tool_sessions.get(name, "")
+        kwargs = self.prompt.tools_kwargs[name]
+        kwargs = kwargs.get("create_kwargs", kwargs) if isinstance(kwargs, dict) else {}
+        request = tool_pb2.CreateSessionRequest(tool_name=name)
+        request.session_kwargs.update(kwargs)
+        reply = await self.loop.tool_stub.CreateSession(
+            request, timeout=self.loop.tool_call_timeout_seconds
+        )
+        self.tool_sessions[name] = reply.session_id
+        return reply.session_id
+
+    async def _interaction_reply(self) -> str | None:
+        """The simulated user's next turn, or None when the conversation is over."""
+        if not self.prompt.interaction_name:
+            self.finish(FinishReason.STOP)
+            return None
+        interaction = self.loop.interactions[self.prompt.interaction_name]
+        reply = await interaction.respond(self.interaction_state, self.messages)
+        self.interaction_scores.append(reply.score)
+        if reply.terminate:
+            self.finish(FinishReason.INTERACTION_TERMINATED)
+            return None
+        return reply.text
+
+    async def _append(self, messages: list[dict[str, Any]], source: SegmentSource) -> bool:
+        """Appends non-model messages and the next generation prompt; False when that would
+        pass a length limit (the trajectory then ends without them)."""
+        assert self.tokens is not None
+        new_ids = await asyncio.to_thread(self.tokens.append_messages, messages)
+        if len(self.token_ids) + len(new_ids) >= self.limits.max_model_len:
+            self.finish(FinishReason.MAX_MODEL_LEN)
+            return False
+        if self.response_length + len(new_ids) >= self.limits.max_response_length:
+            self.finish(FinishReason.MAX_RESPONSE_LENGTH)
+            return False
+        self.messages.extend(messages)
+        generation_prompt = self.tokens.generation_prompt_ids
+        if generation_prompt and new_ids[-len(generation_prompt) :] == generation_prompt:
+            body, opener = new_ids[: -len(generation_prompt)], generation_prompt
+        else:
+            body, opener = new_ids, []
+        self.segments.append(Segment(source, body))
+        if opener:
+            self.segments.append(Segment(SegmentSource.TEMPLATE, list(opener)))
+        return True
+
+    def _append_model_segments(
+        self, ids: list[int], logprobs: list[float], versions: list[int]
+    ) -> None:
+        """One segment per run of tokens sampled by the same policy version."""
+        start = 0
+        for end in range(1, len(ids) + 1):
+            if end == len(ids) or versions[end] != versions[start]:
+                self.segments.append(
+                    Segment(
+                        SegmentSource.MODEL, ids[start:end], logprobs[start:end], versions[start]
+                    )
+                )
+                start = end
+
+    def finish(self, reason: FinishReason, error_message: str = "") -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self.error_message = error_message
+
+    async def release(self) -> None:
+        """Releases the tool sessions, the interaction state and the engine's session cache."""
+        for session_id in self.tool_sessions.values():
+            try:
+                await self.loop.tool_stub.ReleaseSession(
+                    tool_pb2.ReleaseSessionRequest(session_id=session_id),
+                    timeout=self.loop.tool_call_timeout_seconds,
+                )
+            except grpc.aio.AioRpcError as e:
+                log.warning("releasing tool session %s failed: %s", session_id, e.details())
+        if self.interaction_state is not None:
+            await self.loop.interactions[self.prompt.interaction_name].finish(
+                self.interaction_state
+            )
+        await self.loop.engine.end_session(self.trajectory_id)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for segment in self.segments for t in segment.token_ids]
+
+    @property
+    def response_length(self) -> int:
+        return len(self.token_ids) - len(self.segments[0].token_ids)
+
+    def trajectory(self, sample_index: int) -> Trajectory:
+        model_tokens = sum(
+            len(s.token_ids) for s in self.segments if s.source is SegmentSource.MODEL
+        )
+        metrics = {
+            "turns": float(len(self.turn_metrics)),
+            "model_tokens": float(model_tokens),
+            "tool_calls": float(sum(t.tool_calls for t in self.turn_metrics)),
+            "tool_errors": float(sum(t.tool_errors for t in self.turn_metrics)),
+            "tool_step_reward_sum": sum(self.step_rewards),
+            "interaction_score_sum": sum(self.interaction_scores),
+        }
+        return Trajectory(
+            trajectory_id=self.trajectory_id,
+            group_id=self.prompt.prompt_id,
+            sample_index=sample_index,
+            segments=self.segments,
+            messages=self.messages,
+            finish_reason=self.finish_reason or FinishReason.ERROR,
+            data_source=self.prompt.data_source,
+            error_message=self.error_message,
+            turns=self.turn_metrics,
+            metrics=metrics,
+        )
+
+
+def _final_text(messages: list[dict[str, Any]]) -> str:
+    for message in reversed(messages):
+        if message["role"] == "assistant":
+            content = message.get("content") or ""
+            return content if isinstance(content, str) else json.dumps(content)
+    return ""

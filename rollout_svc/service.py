@@ -1,0 +1,285 @@
+"""RolloutService: request-level asynchronous multi-turn rollout, and the weight receiver.
+
+A plain async class (no gRPC). Every (prompt, sample) of a Generate call is its own task
+running the agent loop; trajectories are yielded as each finishes, so a fast one never waits
+for a slow one. Aborting a call ends its trajectories at their next step; they still come
+back, with FINISH_REASON_ABORTED and the tokens they had.
+"""
+
+import asyncio
+import importlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+from transformers import AutoTokenizer
+
+from rollout_svc.agent_loop import AgentLoop, PromptSpec, RolloutLimits
+from rollout_svc.config import InteractionEntry, RolloutConfig
+from rollout_svc.engines import ENGINES
+from rollout_svc.engines.base import Engine, SamplingParams
+from rollout_svc.interactions import INTERACTIONS
+from rollout_svc.interactions.base import Interaction
+from rollout_svc.parsers import PARSERS
+from rollout_svc.weight_sync import ChunkAssembler, WeightReceiver
+from turnrl import rpc
+from turnrl.errors import ConfigError, FailedPreconditionError, InvalidArgumentError
+from turnrl.trajectory import Trajectory
+from turnrl.v1 import reward_pb2_grpc, tool_pb2_grpc
+from turnrl.weights import TensorMeta
+
+log = logging.getLogger(__name__)
+
+
+class RolloutService:
+    """Rolls out trajectories on one engine. Build with `await RolloutService.create(config)`."""
+
+    def __init__(
+        self, config: RolloutConfig, engine: Engine, loop: AgentLoop, channels: list[Any]
+    ) -> None:
+        self._config = config
+        self._engine = engine
+        self._loop = loop
+        self._channels = channels
+        self._slots = asyncio.Semaphore(config.max_concurrent_trajectories)
+        self._running: dict[str, set[asyncio.Task]] = {}
+        self._request_ids = itertools.count()
+        self._paused = False
+        self._receiver = WeightReceiver()
+        self._started = time.monotonic()
+        self._finished = 0
+
+    @classmethod
+    async def create(cls, config: RolloutConfig) -> "RolloutService":
+        """Starts the engine and loads the tokenizer. Raises ConfigError naming what is wrong."""
+        if config.engine not in ENGINES:
+            raise ConfigError(f"rollout.engine {config.engine!r} unknown; known: {sorted(ENGINES)}")
+        if config.tool_parser not in PARSERS:
+            raise ConfigError(
+                f"rollout.tool_parser {config.tool_parser!r} unknown; known: {sorted(PARSERS)}"
+            )
+        if config.model_path is None:
+            raise ConfigError("rollout.model_path is not set; name the policy model's folder")
+        model_path = config.model_path
+        engine_class, options_class = ENGINES[config.engine]
+        engine_options = dict(config.engine_options)
+        if config.engine == "hf":
+            engine_options.setdefault("model_path", model_path)
+        try:
+            options = options_class.model_validate(engine_options)
+        except ValidationError as e:
+            raise ConfigError(f"rollout.engine_options: {e}") from None
+        tokenizer_path = config.tokenizer_path or model_path
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, tokenizer_path)
+        chat_template = (
+            await asyncio.to_thread(Path(config.chat_template_path).read_text)
+            if config.chat_template_path
+            else None
+        )
+        interactions = {entry.name: _build_interaction(entry) for entry in config.interactions}
+        engine = await engine_class.create(options)
+        tool_channel = rpc.open_channel(config.tool_service)
+        reward_channel = rpc.open_channel(config.reward_service)
+        loop = AgentLoop(
+            engine=engine,
+            tokenizer=tokenizer,
+            chat_template=chat_template,
+            parser=PARSERS[config.tool_parser],
+            tool_stub=tool_pb2_grpc.ToolServiceStub(tool_channel),
+            reward_stub=reward_pb2_grpc.RewardServiceStub(reward_channel),
+            interactions=interactions,
+            tool_call_timeout_seconds=config.tool_call_timeout_seconds,
+        )
+        return cls(config, engine, loop, [tool_channel, reward_channel])
+
+    def limits(
+        self, max_model_len: int, max_response_length: int, max_new_tokens: int, max_turns: int
+    ) -> RolloutLimits:
+        """A call's limits, with 0 meaning the configured default; InvalidArgumentError when
+        they contradict each other."""
+        limits = RolloutLimits(
+            max_model_len=max_model_len or self._config.max_model_len,
+            max_response_length=max_response_length or self._config.max_response_length,
+            max_new_tokens=max_new_tokens or self._config.max_new_tokens,
+            max_turns=max_turns or self._config.max_turns,
+        )
+        if limits.max_new_tokens > limits.max_response_length:
+            raise InvalidArgumentError(
+                f"max_new_tokens {limits.max_new_tokens} exceeds max_response_length "
+                f"{limits.max_response_length}"
+            )
+        if limits.max_response_length >= limits.max_model_len:
+            raise InvalidArgumentError(
+                f"max_response_length {limits.max_response_length} leaves no room for a prompt "
+                f"in max_model_len {limits.max_model_len}"
+            )
+        return limits
+
+    async def generate(
+        self,
+        prompts: list[PromptSpec],
+        n: int,
+        sampling: SamplingParams,
+        limits: RolloutLimits,
+        enable_scoring: bool,
+        request_id: str = "",
+    ) -> AsyncIterator[Trajectory]:
+        """Rolls out `n` samples of every prompt; yields each trajectory as it finishes."""
+        if not prompts:
+            raise InvalidArgumentError("prompts is empty")
+        if n < 1:
+            raise InvalidArgumentError(f"n must be at least 1, got {n}")
+        request_id = request_id or f"generate-{next(self._request_ids)}"
+        if request_id in self._running:
+            raise InvalidArgumentError(f"request_id {request_id!r} is already running")
+        tasks: set[asyncio.Task] = set()
+        self._running[request_id] = tasks
+
+        async def one(prompt: PromptSpec, index: int) -> Trajectory:
+            async with self._slots:
+                return await self._loop.run(
+                    prompt, index, sampling, limits, enable_scoring, request_id
+                )
+
+        for prompt in prompts:
+            for index in range(n):
+                tasks.add(asyncio.create_task(one(prompt, index)))
+        try:
+            for finished in asyncio.as_completed(list(tasks)):
+                trajectory = await finished
+                self._finished += 1
+                yield trajectory
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            del self._running[request_id]
+            self._loop.forget(request_id)
+
+    async def abort(self, request_id: str) -> int:
+        """Aborts the running trajectories of one call ("" for every call); how many."""
+        request_ids = list(self._running) if not request_id else [request_id]
+        aborted = 0
+        for rid in request_ids:
+            aborted += sum(not task.done() for task in self._running.get(rid, ()))
+            await self._loop.abort(rid)
+        return aborted
+
+    async def pause(self) -> tuple[int, int]:
+        """Pauses the engine; (trajectories in flight, policy version)."""
+        await self._engine.pause()
+        self._paused = True
+        return self.in_flight, self._engine.policy_version
+
+    async def resume(self) -> int:
+        await self._engine.resume()
+        self._paused = False
+        return self._engine.policy_version
+
+    async def init_weight_sync(
+        self, master_address: str, master_port: int, world_size: int, rank_offset: int,
+        backend: str, group_name: str, timeout_seconds: float,
+    ) -> int:  # fmt: skip
+        """Joins the trainer's weight-sync group with one rank; returns 1."""
+        await self._receiver.join(
+            master_address,
+            master_port,
+            world_size,
+            rank_offset,
+            backend,
+            group_name,
+            timeout_seconds,
+        )
+        return 1
+
+    async def update_weights(
+        self, group_name: str, metas: list[TensorMeta], bucket_size_bytes: int, policy_version: int
+    ) -> tuple[int, int, float]:
+        """Receives broadcast weights and loads them; (version, bytes, seconds)."""
+        self._check_version(policy_version)
+        started = time.monotonic()
+        tensors = await self._receiver.receive(group_name, metas, bucket_size_bytes)
+        await self._load(tensors, policy_version)
+        size = sum(meta.nbytes for meta in metas)
+        return self._engine.policy_version, size, time.monotonic() - started
+
+    async def push_weights(
+        self,
+        metas: list[TensorMeta],
+        chunks: AsyncIterator[tuple[int, int, bytes]],
+        policy_version: int,
+    ) -> tuple[int, int]:
+        """Loads weights sent as chunks (the fallback path); (version, bytes)."""
+        self._check_version(policy_version)
+        assembler = ChunkAssembler(metas)
+        async for index, offset, data in chunks:
+            assembler.add(index, offset, data)
+        await self._load(assembler.tensors(), policy_version)
+        return self._engine.policy_version, assembler.bytes_received
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "engine": self._config.engine,
+            "policy_version": self._engine.policy_version,
+            "paused": self._paused,
+            "running_trajectories": self.in_flight,
+            "finished_trajectories": self._finished,
+            "uptime_seconds": time.monotonic() - self._started,
+            "metrics": self._engine.stats(),
+        }
+
+    @property
+    def in_flight(self) -> int:
+        return sum(not t.done() for tasks in self._running.values() for t in tasks)
+
+    async def close(self) -> None:
+        for tasks in self._running.values():
+            for task in tasks:
+                task.cancel()
+        await self._engine.close()
+        for interaction in self._loop.interactions.values():
+            await interaction.close()
+        for channel in self._channels:
+            await channel.close()
+
+    def _check_version(self, policy_version: int) -> None:
+        if policy_version <= self._engine.policy_version:
+            raise FailedPreconditionError(
+                f"policy_version {policy_version} is not newer than the engine's "
+                f"{self._engine.policy_version}"
+            )
+
+    async def _load(self, tensors: list[tuple[str, torch.Tensor]], policy_version: int) -> None:
+        was_paused = self._paused
+        if not was_paused:
+            await self._engine.pause()
+        try:
+            await self._engine.update_weights(tensors, policy_version)
+        except ValueError as e:
+            raise InvalidArgumentError(str(e)) from e
+        finally:
+            if not was_paused:
+                await self._engine.resume()
+
+
+def _build_interaction(entry: InteractionEntry) -> Interaction:
+    if entry.class_name in INTERACTIONS:
+        interaction_class = INTERACTIONS[entry.class_name]
+    else:
+        module_name, _, attribute = entry.class_name.rpartition(":")
+        try:
+            interaction_class = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ConfigError(
+                f"rollout.interactions {entry.name!r}: unknown class_name {entry.class_name!r}; "
+                f"built-in: {sorted(INTERACTIONS)}, or 'package.module:Class' ({e})"
+            ) from e
+    try:
+        return interaction_class(interaction_class.Options.model_validate(entry.config))
+    except ValidationError as e:
+        raise ConfigError(f"rollout.interactions {entry.name!r}: bad config: {e}") from None

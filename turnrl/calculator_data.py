@@ -1,0 +1,224 @@
+"""Arithmetic word problems solved with the `calculator` tool: the CPU example task's data.
+
+Every problem is drawn deterministically from a seed and comes with its exact answer and a
+full tool-use conversation in OpenAI message format (tool-call arguments as a dict, the form
+chat templates render):
+
+    system     SYSTEM_PROMPT
+    user       "Tom has 12 apples. He buys 7 more. How many apples does he have now?"
+    assistant  tool call calculator {"expression": "12 + 7"}
+    tool       "19"
+    assistant  "#### 19"
+
+A problem has 1-3 operations (+, -, *, //) applied in order to a running count. One operation
+takes one tool call; more take two, the second applying the last operation to the first
+call's result, so the model has to carry a tool result into its next call. The final answer
+is written `#### N`, the GSM8K form the reward service's `gsm8k` scorer grades strictly;
+`final_answer` reads it back.
+
+The train and test splits never share a question: a question belongs to the split its hash
+picks, and each split draws from its own seeded stream.
+"""
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Split = Literal["train", "test"]
+
+SYSTEM_PROMPT = "Solve the problem with the calculator tool. End with '#### <answer>'."
+# The schema tool_svc's `calculator` serves (tool_svc/tools/calculator.py; turnrl may not
+# import tool_svc). The model learns the system prompt this renders, so the two must agree;
+# tests/rollout_svc/test_tiny_model.py checks that they do.
+CALCULATOR_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression exactly. Supports + - * / // % ** and "
+        "parentheses on integers and decimals, e.g. (3 + 4.5) * 2 / 5.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "expression": {"type": "string", "description": "The expression to evaluate."}
+            },
+            "required": ["expression"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [CALCULATOR_TOOL]
+# One question in TEST_SHARE_BUCKETS of BUCKETS belongs to the test split.
+BUCKETS = 10
+TEST_SHARE_BUCKETS = 1
+
+_NAMES = {
+    "Tom": "he",
+    "Ana": "she",
+    "Ben": "he",
+    "Mia": "she",
+    "Sam": "he",
+    "Lea": "she",
+    "Omar": "he",
+    "Zoe": "she",
+}
+_ITEMS = ("apples", "marbles", "stickers", "books", "cookies", "coins", "pencils", "shells")
+# Sentences that apply one operation to the running count; {p}: pronoun, {n}: operand.
+_STEP_SENTENCES = {
+    "+": ("{p} buys {n} more.", "{p} finds {n} more.", "{p} gets {n} more from a friend."),
+    "-": ("{p} gives away {n}.", "{p} loses {n}.", "{p} sells {n}."),
+    "*": ("{p} then has {n} times as many.", "{p} makes the pile {n} times as big."),
+    "//": (
+        "{p} splits them equally into {n} groups and keeps one group.",
+        "{p} shares them equally among {n} friends, keeping one share and no leftovers.",
+    ),
+}
+_ANSWER_PATTERN = re.compile(r"####\s*(-?\d[\d,]*)")
+
+
+@dataclass(frozen=True)
+class ProblemSettings:
+    """The shape of generated problems."""
+
+    min_operations: int = 1
+    max_operations: int = 3
+    min_number: int = 1
+    """Smallest starting count and smallest amount added or taken away."""
+    max_number: int = 99
+    """Largest starting count and largest amount added or taken away."""
+    max_factor: int = 9
+    """Largest multiplier and divisor (the smallest is 2)."""
+
+
+@dataclass
+class CalculatorProblem:
+    """One word problem, its exact answer, and a solved tool-use conversation."""
+
+    question: str
+    answer: int
+    expressions: list[str]
+    """The expression of each calculator call, in order."""
+    messages: list[dict[str, Any]]
+    """system, user, then per call an assistant tool call and its tool result, then the
+    assistant's final answer."""
+
+    @property
+    def prompt_messages(self) -> list[dict[str, Any]]:
+        """The conversation before the model's first turn: system and user."""
+        return self.messages[:2]
+
+
+def generate_problems(
+    count: int, *, seed: int = 0, split: Split = "train", settings: ProblemSettings | None = None
+) -> list[CalculatorProblem]:
+    """`count` distinct problems of `split`, the same for the same arguments on every run."""
+    if split not in ("train", "test"):
+        raise ValueError(f"unknown split {split!r}; expected 'train' or 'test'")
+    settings = settings or ProblemSettings()
+    rng = random.Random(f"{split}:{seed}")
+    problems: dict[str, CalculatorProblem] = {}
+    while len(problems) < count:
+        problem = _draw_problem(rng, settings)
+        if problem.question not in problems and split_of(problem.question) == split:
+            problems[problem.question] = problem
+    return list(problems.values())
+
+
+def split_of(question: str) -> Split:
+    """The split a question belongs to, fixed by its text."""
+    bucket = hashlib.blake2b(question.encode(), digest_size=8).digest()[0] % BUCKETS
+    return "test" if bucket < TEST_SHARE_BUCKETS else "train"
+
+
+def final_answer(text: str) -> str | None:
+    """The number of the last `#### N` in `text`, without thousands separators, or None."""
+    matches = _ANSWER_PATTERN.findall(text)
+    return matches[-1].replace(",", "") if matches else None
+
+
+def _draw_problem(rng: random.Random, settings: ProblemSettings) -> CalculatorProblem:
+    name = rng.choice(sorted(_NAMES))
+    pronoun = _NAMES[name]
+    item = rng.choice(_ITEMS)
+    start = rng.randint(settings.min_number, settings.max_number)
+    sentences = [f"{name} has {start} {item}."]
+    steps: list[tuple[str, int]] = []
+    values = [start]
+    for _ in range(rng.randint(settings.min_operations, settings.max_operations)):
+        operator, operand = _draw_step(rng, values[-1], settings)
+        steps.append((operator, operand))
+        values.append(_apply(values[-1], operator, operand))
+        template = rng.choice(_STEP_SENTENCES[operator])
+        sentences.append(template.format(p=pronoun, n=operand).capitalize())
+    sentences.append(f"How many {item} does {pronoun} have now?")
+    question = " ".join(sentences)
+    # One call for one step; else the steps but the last, then the last step applied to that.
+    if len(steps) == 1:
+        calls = [(_chain(str(start), steps), values[-1])]
+    else:
+        calls = [(_chain(str(start), steps[:-1]), values[-2])]
+        calls.append((_chain(str(values[-2]), steps[-1:]), values[-1]))
+    return CalculatorProblem(
+        question=question,
+        answer=values[-1],
+        expressions=[expression for expression, _ in calls],
+        messages=_conversation(question, calls),
+    )
+
+
+def _draw_step(rng: random.Random, value: int, settings: ProblemSettings) -> tuple[str, int]:
+    # Counts stay whole and non-negative: take away at most what there is, divide only when
+    # every group gets at least one.
+    operators = ["+", "*"]
+    if value >= settings.min_number:
+        operators.append("-")
+    if value >= 2:
+        operators.append("//")
+    operator = rng.choice(operators)
+    if operator == "+":
+        return operator, rng.randint(settings.min_number, settings.max_number)
+    if operator == "-":
+        return operator, rng.randint(settings.min_number, min(value, settings.max_number))
+    if operator == "*":
+        return operator, rng.randint(2, settings.max_factor)
+    return operator, rng.randint(2, min(value, settings.max_factor))
+
+
+def _apply(value: int, operator: str, operand: int) -> int:
+    return {
+        "+": value + operand,
+        "-": value - operand,
+        "*": value * operand,
+        "//": value // operand,
+    }[operator]
+
+
+def _chain(expression: str, steps: list[tuple[str, int]]) -> str:
+    """Steps applied left to right, with parentheses where Python's precedence differs."""
+    for operator, operand in steps:
+        if operator in ("*", "//") and (" + " in expression or " - " in expression):
+            expression = f"({expression})"
+        expression = f"{expression} {operator} {operand}"
+    return expression
+
+
+def _conversation(question: str, calls: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    """The solved conversation, given each calculator call's expression and result."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": question},
+    ]
+    for index, (expression, result) in enumerate(calls):
+        call_id = f"call_{index}"
+        function = {"name": "calculator", "arguments": {"expression": expression}}
+        messages.append(
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"id": call_id, "type": "function", "function": function}],
+            }
+        )
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": str(result)})
+    messages.append({"role": "assistant", "content": f"#### {calls[-1][1]}"})
+    return messages
