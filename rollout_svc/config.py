@@ -34,7 +34,9 @@ class RolloutConfig(StrictModel):
     )
     model_path: str | None = Field(
         default=None,
-        description="The policy model: a Hugging Face folder (weights, config, tokenizer).",
+        description="The policy model: a Hugging Face folder (weights, config, tokenizer). None: "
+        "the tiny calculator model of turnrl.tiny_model, built on first use (about two minutes "
+        "on two cores) and cached.",
     )
     engine_options: dict[str, Any] = Field(
         default_factory=dict,

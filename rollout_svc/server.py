@@ -1,20 +1,191 @@
-"""gRPC skin of the rollout service.
+"""gRPC skin of the rollout service: proto -> plain types, await RolloutService, plain -> proto.
 
-Every RolloutService RPC answers UNIMPLEMENTED until the rollout service issue lands: the generated
-base servicer does that, so no caller ever receives a made-up answer. Health and reflection
-are real.
+Errors are raised as `turnrl.errors` exceptions and mapped to status codes by `turnrl.rpc`.
 """
 
+import json
+from collections.abc import AsyncIterator
+
+from google.protobuf import duration_pb2, json_format
+
+from rollout_svc.agent_loop import PromptSpec
 from rollout_svc.config import RolloutConfig
+from rollout_svc.engines.base import SamplingParams
+from rollout_svc.service import RolloutService
 from turnrl import rpc
-from turnrl.v1 import rollout_pb2, rollout_pb2_grpc
+from turnrl.errors import InvalidArgumentError
+from turnrl.messages import message_to_dict
+from turnrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from turnrl.weights import TensorMeta
+
+BACKEND_NAMES = {
+    rollout_pb2.InitWeightSyncRequest.BACKEND_GLOO: "gloo",
+    rollout_pb2.InitWeightSyncRequest.BACKEND_NCCL: "nccl",
+}
+DEFAULT_JOIN_TIMEOUT_SECONDS = 300.0
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+    """Implements turnrl.v1.RolloutService over a RolloutService."""
+
+    def __init__(self, service: RolloutService) -> None:
+        self._service = service
+
+    async def Generate(self, request, context):
+        prompts = [_prompt_spec(p, i) for i, p in enumerate(request.prompts)]
+        limits = self._service.limits(
+            request.limits.max_model_len,
+            request.limits.max_response_length,
+            request.limits.max_new_tokens,
+            request.max_turns,
+        )
+        trajectories = self._service.generate(
+            prompts,
+            request.n or 1,
+            _sampling(request.sampling, limits.max_new_tokens),
+            limits,
+            request.enable_scoring,
+            request.request_id,
+        )
+        async for trajectory in trajectories:
+            yield rollout_pb2.GenerateResponse(trajectory=trajectory.to_proto())
+
+    async def Abort(self, request, context):
+        aborted = await self._service.abort(request.request_id)
+        return rollout_pb2.AbortResponse(aborted_trajectories=aborted)
+
+    async def Pause(self, request, context):
+        in_flight, version = await self._service.pause()
+        return rollout_pb2.PauseResponse(in_flight_trajectories=in_flight, policy_version=version)
+
+    async def Resume(self, request, context):
+        return rollout_pb2.ResumeResponse(policy_version=await self._service.resume())
+
+    async def InitWeightSync(self, request, context):
+        if request.backend not in BACKEND_NAMES:
+            raise InvalidArgumentError("backend is not set; use BACKEND_GLOO or BACKEND_NCCL")
+        timeout = (
+            request.timeout.ToTimedelta().total_seconds()
+            if request.HasField("timeout")
+            else DEFAULT_JOIN_TIMEOUT_SECONDS
+        )
+        ranks = await self._service.init_weight_sync(
+            request.master_address,
+            request.master_port,
+            request.world_size,
+            request.rank_offset,
+            BACKEND_NAMES[request.backend],
+            request.group_name,
+            timeout,
+        )
+        return rollout_pb2.InitWeightSyncResponse(ranks_joined=ranks)
+
+    async def UpdateWeights(self, request, context):
+        version, size, seconds = await self._service.update_weights(
+            request.group_name,
+            _metas(request.tensors),
+            request.bucket_size_bytes,
+            request.policy_version,
+        )
+        return rollout_pb2.UpdateWeightsResponse(
+            policy_version=version, bytes_received=size, elapsed_seconds=seconds
+        )
+
+    async def PushWeights(self, request_iterator, context):
+        first = await anext(aiter(request_iterator), None)
+        if first is None or not first.HasField("header"):
+            raise InvalidArgumentError("the first PushWeights message must be the header")
+
+        async def chunks() -> AsyncIterator[tuple[int, int, bytes]]:
+            async for message in request_iterator:
+                if not message.HasField("chunk"):
+                    raise InvalidArgumentError("only chunks may follow the header")
+                chunk = message.chunk
+                yield chunk.tensor_index, chunk.offset_bytes, chunk.data
+
+        version, size = await self._service.push_weights(
+            _metas(first.header.tensors), chunks(), first.header.policy_version
+        )
+        return rollout_pb2.PushWeightsResponse(policy_version=version, bytes_received=size)
+
+    async def GetStats(self, request, context):
+        stats = self._service.stats()
+        uptime = duration_pb2.Duration()
+        uptime.FromNanoseconds(int(stats["uptime_seconds"] * 1e9))
+        return rollout_pb2.GetStatsResponse(
+            engine=stats["engine"],
+            policy_version=stats["policy_version"],
+            paused=stats["paused"],
+            running_trajectories=stats["running_trajectories"],
+            finished_trajectories=stats["finished_trajectories"],
+            uptime=uptime,
+            metrics={k: float(v) for k, v in stats["metrics"].items()},
+        )
 
 
 async def serve(config: RolloutConfig) -> None:
-    """Serves the rollout service until SIGTERM or SIGINT."""
-    servicer = rollout_pb2_grpc.RolloutServiceServicer()
-    await rpc.serve(
-        config.server,
-        rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"],
-        lambda server: rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server),
+    """Starts the engine, then serves the rollout service until SIGTERM or SIGINT."""
+    service = await RolloutService.create(config)
+    try:
+        await rpc.serve(
+            config.server,
+            rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"],
+            lambda server: rollout_pb2_grpc.add_RolloutServiceServicer_to_server(
+                RolloutServicer(service), server
+            ),
+        )
+    finally:
+        await service.close()
+
+
+def _prompt_spec(prompt: rollout_pb2.RolloutPrompt, index: int) -> PromptSpec:
+    try:
+        messages = [message_to_dict(m) for m in prompt.messages]
+    except ValueError as e:
+        raise InvalidArgumentError(f"prompts[{index}].messages: {e}") from None
+    if not messages:
+        raise InvalidArgumentError(f"prompts[{index}].messages is empty")
+    tools = []
+    for tool in prompt.tools:
+        try:
+            parameters = json.loads(tool.parameters_json or "{}")
+        except json.JSONDecodeError as e:
+            raise InvalidArgumentError(
+                f"prompts[{index}].tools {tool.name!r}: parameters_json is not JSON: {e.msg}"
+            ) from None
+        function = {"name": tool.name, "description": tool.description, "parameters": parameters}
+        tools.append({"type": "function", "function": function})
+    return PromptSpec(
+        prompt_id=prompt.prompt_id or f"prompt-{index}",
+        messages=messages,
+        tools=tools,
+        tools_kwargs=json_format.MessageToDict(prompt.tools_kwargs),
+        interaction_name=prompt.interaction_name,
+        interaction_kwargs=json_format.MessageToDict(prompt.interaction_kwargs),
+        data_source=prompt.data_source,
+        ground_truth=(
+            json_format.MessageToDict(prompt.ground_truth)
+            if prompt.HasField("ground_truth")
+            else None
+        ),
+        extra_info=json_format.MessageToDict(prompt.extra_info),
+        chat_template_kwargs=json_format.MessageToDict(prompt.chat_template_kwargs),
     )
+
+
+def _sampling(sampling: common_pb2.SamplingParams, max_new_tokens: int) -> SamplingParams:
+    fields = {
+        name: getattr(sampling, name)
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+        if sampling.HasField(name)
+    }
+    return SamplingParams(
+        max_new_tokens=max_new_tokens, stop_token_ids=tuple(sampling.stop_token_ids), **fields
+    )
+
+
+def _metas(specs) -> list[TensorMeta]:
+    try:
+        return [TensorMeta.from_proto(spec) for spec in specs]
+    except ValueError as e:
+        raise InvalidArgumentError(str(e)) from None

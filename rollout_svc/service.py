@@ -29,6 +29,7 @@ from rollout_svc.parsers import PARSERS
 from rollout_svc.weight_sync import ChunkAssembler, WeightReceiver
 from turnrl import rpc
 from turnrl.errors import ConfigError, FailedPreconditionError, InvalidArgumentError
+from turnrl.tiny_model import build_tiny_model
 from turnrl.trajectory import Trajectory
 from turnrl.v1 import reward_pb2_grpc, tool_pb2_grpc
 from turnrl.weights import TensorMeta
@@ -63,9 +64,7 @@ class RolloutService:
             raise ConfigError(
                 f"rollout.tool_parser {config.tool_parser!r} unknown; known: {sorted(PARSERS)}"
             )
-        if config.model_path is None:
-            raise ConfigError("rollout.model_path is not set; name the policy model's folder")
-        model_path = config.model_path
+        model_path = config.model_path or str(await asyncio.to_thread(build_tiny_model))
         engine_class, options_class = ENGINES[config.engine]
         engine_options = dict(config.engine_options)
         if config.engine == "hf":

@@ -15,6 +15,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 
 from turnrl import rpc
 from turnrl.config import REPO_ROOT, ServerConfig, fixtures_dir
+from turnrl.tiny_model import build_tiny_model
 
 # Asyncio debug mode in every test loop and child service: slow callbacks (>100 ms) are reported.
 os.environ.setdefault("PYTHONASYNCIODEBUG", "1")
@@ -30,6 +31,13 @@ def fixtures() -> Path:
     path = fixtures_dir()
     assert path.is_dir(), f"test fixtures not found at {path}; set TURNRL_FIXTURES"
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The tiny Qwen3 calculator model (`turnrl.tiny_model`), built on first use into the turnrl
+    cache ($TURNRL_CACHE or ~/.cache/turnrl; about two minutes on two cores) and reused after."""
+    return build_tiny_model()
 
 
 @contextlib.asynccontextmanager

@@ -5,9 +5,15 @@ import json
 import signal
 import sys
 
+import pytest
+
 import turnrl
 
 from .conftest import EXAMPLE_CONFIG, SERVICE_NAMES, run_turnrl, serve_subprocess
+
+# These start the rollout service, whose default model is the tiny one: build it before the
+# services' start-up timeouts begin.
+pytestmark = pytest.mark.usefixtures("tiny_model_dir")
 
 
 async def test_version():

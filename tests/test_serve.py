@@ -22,12 +22,16 @@ from turnrl.v1 import (
 
 from .conftest import SERVICE_NAMES, run_turnrl, serve_subprocess
 
+# These start the rollout service, whose default model is the tiny one: build it before the
+# services' start-up timeouts begin.
+pytestmark = pytest.mark.usefixtures("tiny_model_dir")
+
 TOKEN_ENV = "TURNRL_TEST_SERVE_TOKEN"
 TOKEN = "serve-test-token"
 GRACE_SECONDS = 3.0
 # One unary RPC of each service, called to show that auth guards it; services whose issue has
 # not landed yet answer it honestly with UNIMPLEMENTED.
-IMPLEMENTED = {"tool", "reward"}
+IMPLEMENTED = {"tool", "reward", "rollout"}
 UNARY_PROBES = {
     "tool": lambda ch: tool_pb2_grpc.ToolServiceStub(ch).ListTools(tool_pb2.ListToolsRequest()),
     "reward": lambda ch: reward_pb2_grpc.RewardServiceStub(ch).ListScorers(

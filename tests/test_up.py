@@ -5,7 +5,13 @@ import os
 import re
 import signal
 
+import pytest
+
 from .conftest import EXAMPLE_CONFIG, SERVICE_NAMES, run_turnrl, serve_subprocess, spawn_turnrl
+
+# These start the rollout service, whose default model is the tiny one: build it before the
+# services' start-up timeouts begin.
+pytestmark = pytest.mark.usefixtures("tiny_model_dir")
 
 FREE_PORTS = [f"{name}.server.port=0" for name in SERVICE_NAMES]
 SHORT_GRACE = [f"{name}.server.shutdown_grace_seconds=2" for name in SERVICE_NAMES]

@@ -52,6 +52,7 @@ TOOLS = [CALCULATOR_TOOL]
 # One question in TEST_SHARE_BUCKETS of BUCKETS belongs to the test split.
 BUCKETS = 10
 TEST_SHARE_BUCKETS = 1
+MAX_DRAWS_PER_PROBLEM = 100
 
 _NAMES = {
     "Tom": "he",
@@ -71,7 +72,7 @@ _STEP_SENTENCES = {
     "*": ("{p} then has {n} times as many.", "{p} makes the pile {n} times as big."),
     "//": (
         "{p} splits them equally into {n} groups and keeps one group.",
-        "{p} shares them equally among {n} friends, keeping one share and no leftovers.",
+        "{p} shares them equally among {n} friends and keeps one share.",
     ),
 }
 _ANSWER_PATTERN = re.compile(r"####\s*(-?\d[\d,]*)")
@@ -89,6 +90,20 @@ class ProblemSettings:
     """Largest starting count and largest amount added or taken away."""
     max_factor: int = 9
     """Largest multiplier and divisor (the smallest is 2)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_operations <= self.max_operations:
+            raise ValueError(
+                f"operations range [{self.min_operations}, {self.max_operations}] is invalid; "
+                "need 1 <= min_operations <= max_operations"
+            )
+        if not 0 <= self.min_number <= self.max_number:
+            raise ValueError(
+                f"number range [{self.min_number}, {self.max_number}] is invalid; "
+                "need 0 <= min_number <= max_number"
+            )
+        if self.max_factor < 2:
+            raise ValueError(f"max_factor {self.max_factor} is invalid; need at least 2")
 
 
 @dataclass
@@ -112,16 +127,28 @@ class CalculatorProblem:
 def generate_problems(
     count: int, *, seed: int = 0, split: Split = "train", settings: ProblemSettings | None = None
 ) -> list[CalculatorProblem]:
-    """`count` distinct problems of `split`, the same for the same arguments on every run."""
+    """`count` distinct problems of `split`, the same for the same arguments on every run.
+
+    Raises ValueError for an unknown split, or when `settings` allow too few distinct questions
+    to draw `count` of them.
+    """
     if split not in ("train", "test"):
         raise ValueError(f"unknown split {split!r}; expected 'train' or 'test'")
     settings = settings or ProblemSettings()
     rng = random.Random(f"{split}:{seed}")
     problems: dict[str, CalculatorProblem] = {}
-    while len(problems) < count:
+    # Each draw lands in the split with probability >= 1/BUCKETS; this many draws without
+    # enough new questions means the settings leave too few distinct ones.
+    for _ in range(MAX_DRAWS_PER_PROBLEM * count):
+        if len(problems) == count:
+            break
         problem = _draw_problem(rng, settings)
         if problem.question not in problems and split_of(problem.question) == split:
             problems[problem.question] = problem
+    if len(problems) < count:
+        raise ValueError(
+            f"found {len(problems)} distinct {split} questions, not {count}; widen {settings}"
+        )
     return list(problems.values())
 
 

@@ -14,26 +14,24 @@ on stdout, read a bearer token from $TURNRL_AUTH_TOKEN, and exit non-zero on fai
 
 import argparse
 import asyncio
+import importlib
 import logging
 import sys
-from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
 
-from reward_svc.server import serve as serve_reward
-from rollout_svc.server import serve as serve_rollout
-from tool_svc.server import serve as serve_tool
-from trainer_svc.server import serve as serve_trainer
 from turnrl import __version__, client_commands, launcher
 from turnrl.config import DEFAULT_PORTS
 from turnrl.errors import ConfigError
-from turnrl.project_config import ProjectConfig, load_project_config
+from turnrl.project_config import load_project_config
 
-SERVERS: dict[str, Callable[[ProjectConfig], Coroutine[Any, Any, None]]] = {
-    "tool": lambda project: serve_tool(project.tool),
-    "reward": lambda project: serve_reward(project.reward),
-    "rollout": lambda project: serve_rollout(project.rollout),
-    "trainer": lambda project: serve_trainer(project.trainer),
+# The module whose `serve(config)` runs each service, given its section of the config. Imported
+# only by `turnrl serve`: the rollout and trainer servers load torch, which would add seconds to
+# every thin client command.
+SERVER_MODULES = {
+    "tool": "tool_svc.server",
+    "reward": "reward_svc.server",
+    "rollout": "rollout_svc.server",
+    "trainer": "trainer_svc.server",
 }
 # Exit codes: 1 a failed request or a service that died, 2 a bad command line or config.
 EXIT_USAGE = 2
@@ -73,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser("serve", help="serve one service in the foreground")
-    serve.add_argument("service", choices=sorted(SERVERS))
+    serve.add_argument("service", choices=sorted(SERVER_MODULES))
     _add_config_args(serve)
     serve.add_argument("--host", help="interface to bind (default from config: 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to bind; 0 picks a free one")
@@ -152,7 +150,8 @@ def _serve(args: argparse.Namespace) -> int:
         overrides.append(f"{args.service}.server.port={args.port}")
     project = load_project_config(args.config, overrides)
     try:
-        asyncio.run(SERVERS[args.service](project))
+        server = importlib.import_module(SERVER_MODULES[args.service])
+        asyncio.run(server.serve(getattr(project, args.service)))
     except OSError as e:
         print(f"turnrl serve {args.service}: {e}", file=sys.stderr)
         return 1

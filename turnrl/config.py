@@ -143,6 +143,12 @@ def fixtures_dir() -> Path:
     return Path(os.environ.get("TURNRL_FIXTURES", REPO_ROOT.parent / "shared" / "fixtures"))
 
 
+def cache_dir() -> Path:
+    """Where built artefacts (the tiny model, search indexes) are cached: $TURNRL_CACHE or
+    ~/.cache/turnrl."""
+    return Path(os.environ.get("TURNRL_CACHE", Path.home() / ".cache" / "turnrl"))
+
+
 def load_config_data(path: Path | None, overrides: Sequence[str]) -> tuple[dict[str, Any], dict]:
     """Reads the YAML file (None: empty) and applies `key.sub=value` overrides.
 

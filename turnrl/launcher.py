@@ -143,6 +143,12 @@ async def local_services(
         "rollout": project.rollout.server,
         "trainer": project.trainer.server,
     }
+    if project.rollout.model_path is None:
+        # Built here, once, so the services load it from the cache instead of racing to build
+        # it within their start-up timeout. Imported here: torch would slow every thin client.
+        from turnrl.tiny_model import build_tiny_model
+
+        await asyncio.to_thread(build_tiny_model)
     services: list[ServiceProcess] = []
     try:
         for name in SERVICE_NAMES:

@@ -1,0 +1,321 @@
+"""The rollout service end to end: the tiny calculator model on the hf engine, the real tool
+and reward services on loopback, Generate over gRPC."""
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+import torch
+from google.protobuf import json_format
+from transformers import AutoModelForCausalLM
+
+from reward_svc.config import RewardConfig
+from reward_svc.server import RewardServicer
+from reward_svc.service import RewardService
+from rollout_svc.config import InteractionEntry, RolloutConfig
+from rollout_svc.server import RolloutServicer
+from rollout_svc.service import RolloutService
+from tests.conftest import serve_in_process
+from tool_svc.config import ToolConfig, ToolEntry
+from tool_svc.server import ToolServicer
+from tool_svc.service import ToolService
+from turnrl import rpc
+from turnrl.calculator_data import TOOLS, generate_problems
+from turnrl.config import ClientConfig, ServerConfig
+from turnrl.messages import dict_to_message
+from turnrl.v1 import (
+    common_pb2,
+    reward_pb2,
+    reward_pb2_grpc,
+    rollout_pb2,
+    rollout_pb2_grpc,
+    tool_pb2,
+    tool_pb2_grpc,
+)
+
+Source = common_pb2.SegmentSource
+Finish = common_pb2.FinishReason
+
+
+@contextlib.asynccontextmanager
+async def tool_and_reward_services() -> AsyncIterator[tuple[str, str]]:
+    tool_config = ToolConfig(
+        server=ServerConfig(port=0), tools=[ToolEntry(class_name="calculator")]
+    )
+    reward_config = RewardConfig(server=ServerConfig(port=0), workers=1)
+    tools = await ToolService.create(tool_config)
+    rewards = await RewardService.create(reward_config)
+    try:
+        async with (
+            serve_in_process(
+                tool_config.server,
+                tool_pb2.DESCRIPTOR.services_by_name["ToolService"],
+                lambda s: tool_pb2_grpc.add_ToolServiceServicer_to_server(ToolServicer(tools), s),
+            ) as tool_address,
+            serve_in_process(
+                reward_config.server,
+                reward_pb2.DESCRIPTOR.services_by_name["RewardService"],
+                lambda s: reward_pb2_grpc.add_RewardServiceServicer_to_server(
+                    RewardServicer(rewards), s
+                ),
+            ) as reward_address,
+        ):
+            yield tool_address, reward_address
+    finally:
+        await rewards.close()
+        await tools.close()
+
+
+@contextlib.asynccontextmanager
+async def rollout_server(
+    model_dir, tool_address: str, reward_address: str, **settings
+) -> AsyncIterator[rollout_pb2_grpc.RolloutServiceStub]:
+    config = RolloutConfig(
+        server=ServerConfig(port=0),
+        engine_options={"model_path": str(model_dir)},
+        tool_service=ClientConfig(address=tool_address),
+        reward_service=ClientConfig(address=reward_address),
+        **settings,
+    )
+    service = await RolloutService.create(config)
+    try:
+        async with (
+            serve_in_process(
+                config.server,
+                rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"],
+                lambda s: rollout_pb2_grpc.add_RolloutServiceServicer_to_server(
+                    RolloutServicer(service), s
+                ),
+            ) as address,
+            rpc.open_channel(ClientConfig(address=address)) as channel,
+        ):
+            yield rollout_pb2_grpc.RolloutServiceStub(channel)
+    finally:
+        await service.close()
+
+
+@contextlib.asynccontextmanager
+async def rollout_stack(
+    model_dir, *, dead_tool_service: bool = False, **settings
+) -> AsyncIterator[rollout_pb2_grpc.RolloutServiceStub]:
+    """Tool, reward and rollout services on loopback; yields a rollout stub."""
+    async with tool_and_reward_services() as (tools, rewards):
+        tools = "127.0.0.1:1" if dead_tool_service else tools  # nothing listens on port 1
+        async with rollout_server(model_dir, tools, rewards, **settings) as stub:
+            yield stub
+
+
+def prompts(count: int, **fields) -> list[rollout_pb2.RolloutPrompt]:
+    tools = [
+        common_pb2.ToolSchema(
+            name=t["function"]["name"],
+            description=t["function"]["description"],
+            parameters_json=json.dumps(t["function"]["parameters"]),
+        )
+        for t in TOOLS
+    ]
+    result = []
+    for i, problem in enumerate(generate_problems(count, split="test")):
+        prompt = rollout_pb2.RolloutPrompt(
+            prompt_id=f"p{i}",
+            messages=[dict_to_message(m) for m in problem.prompt_messages],
+            tools=tools,
+            data_source="openai/gsm8k",
+            **fields,
+        )
+        json_format.ParseDict(str(problem.answer), prompt.ground_truth)
+        result.append(prompt)
+    return result
+
+
+async def generate(stub, request: rollout_pb2.GenerateRequest) -> list[common_pb2.Trajectory]:
+    return [reply.trajectory async for reply in stub.Generate(request, timeout=300)]
+
+
+def teacher_forced_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids])).logits[0].float()
+    logprobs = torch.log_softmax(logits[:-1], dim=-1)
+    return logprobs.gather(1, torch.tensor(token_ids[1:])[:, None])[:, 0]
+
+
+async def test_multi_turn_trajectories_are_token_exact_and_scored(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    async with rollout_stack(tiny_model_dir) as stub:
+        request = rollout_pb2.GenerateRequest(
+                prompts=prompts(4), n=2, enable_scoring=True,
+                sampling=common_pb2.SamplingParams(temperature=1.0, seed=7),
+                limits=common_pb2.LengthLimits(max_new_tokens=64),
+            )  # fmt: skip
+        trajectories = await generate(stub, request)
+    assert sorted(t.trajectory_id for t in trajectories) == sorted(
+        f"p{i}/{j}" for i in range(4) for j in range(2)
+    )
+    with_tools = [t for t in trajectories if t.metrics["tool_calls"] >= 1]
+    assert len(with_tools) >= 4, [t.metrics for t in trajectories]
+    for trajectory in trajectories:
+        sources = [s.source for s in trajectory.segments]
+        assert sources[0] == Source.SEGMENT_SOURCE_PROMPT and Source.SEGMENT_SOURCE_MODEL in sources
+        token_ids = [t for s in trajectory.segments for t in s.token_ids]
+        assert list(trajectory.loss_mask) == [
+            s.source == Source.SEGMENT_SOURCE_MODEL
+            for s in trajectory.segments
+            for _ in s.token_ids
+        ]
+        assert list(trajectory.response_mask) == [
+            s.source != Source.SEGMENT_SOURCE_PROMPT
+            for s in trajectory.segments
+            for _ in s.token_ids
+        ]
+        expected = teacher_forced_logprobs(model, token_ids)
+        engine = torch.tensor([lp for s in trajectory.segments for lp in s.logprobs])
+        positions = [i - 1 for i, m in enumerate(trajectory.loss_mask) if m]
+        assert torch.allclose(engine, expected[positions], atol=1e-4), trajectory.trajectory_id
+        assert trajectory.HasField("reward") and not trajectory.reward.error
+    for trajectory in with_tools:
+        sources = [s.source for s in trajectory.segments]
+        assert sources[:4] == [
+            Source.SEGMENT_SOURCE_PROMPT,
+            Source.SEGMENT_SOURCE_MODEL,
+            Source.SEGMENT_SOURCE_TOOL,
+            Source.SEGMENT_SOURCE_TEMPLATE,
+        ]
+        tool_messages = [m for m in trajectory.messages if m.role == common_pb2.Message.ROLE_TOOL]
+        assert tool_messages and tool_messages[0].content[0].text.strip().lstrip("-").isdigit()
+
+
+@pytest.mark.parametrize(
+    ("limits", "max_turns", "finish"),
+    [
+        ({"max_new_tokens": 3}, 0, Finish.FINISH_REASON_MAX_NEW_TOKENS),
+        (
+            {"max_new_tokens": 64, "max_response_length": 70},
+            0,
+            Finish.FINISH_REASON_MAX_RESPONSE_LENGTH,
+        ),
+        (
+            {"max_new_tokens": 64, "max_response_length": 100, "max_model_len": 280},
+            0,
+            Finish.FINISH_REASON_MAX_MODEL_LEN,
+        ),
+        ({"max_new_tokens": 64}, 1, Finish.FINISH_REASON_MAX_TURNS),
+    ],
+)
+async def test_each_limit_ends_the_trajectory_with_its_reason(
+    tiny_model_dir, limits, max_turns, finish
+):
+    async with rollout_stack(tiny_model_dir) as stub:
+        request = rollout_pb2.GenerateRequest(
+                prompts=prompts(2), n=1, max_turns=max_turns,
+                sampling=common_pb2.SamplingParams(temperature=0.0),
+                limits=common_pb2.LengthLimits(**limits),
+            )  # fmt: skip
+        trajectories = await generate(stub, request)
+    assert {t.finish_reason for t in trajectories} == {finish}
+    for trajectory in trajectories:
+        response = sum(len(s.token_ids) for s in trajectory.segments[1:])
+        total = response + len(trajectory.segments[0].token_ids)
+        if "max_response_length" in limits:
+            assert response <= limits["max_response_length"]
+        if "max_model_len" in limits:
+            assert total <= limits["max_model_len"]
+
+
+async def test_dead_tool_service_becomes_a_tool_error(tiny_model_dir):
+    async with rollout_stack(tiny_model_dir, dead_tool_service=True) as stub:
+        request = rollout_pb2.GenerateRequest(
+                prompts=prompts(2), n=1, sampling=common_pb2.SamplingParams(temperature=0.0),
+                limits=common_pb2.LengthLimits(max_new_tokens=64), max_turns=2,
+            )  # fmt: skip
+        trajectories = await generate(stub, request)
+    assert len(trajectories) == 2
+    called = [t for t in trajectories if t.metrics["tool_calls"] >= 1]
+    assert called and all(t.metrics["tool_errors"] >= 1 for t in called)
+    tool_texts = [
+        m.content[0].text
+        for t in called
+        for m in t.messages
+        if m.role == common_pb2.Message.ROLE_TOOL
+    ]
+    # Well-formed calls reach the dead service; after that error the model may write a broken
+    # call, which the parser reports instead.
+    assert "tool service could not run" in tool_texts[0], tool_texts
+    assert all(
+        "tool service could not run" in text or "malformed tool call" in text
+        for text in tool_texts
+    ), tool_texts
+
+
+async def test_abort_returns_the_partial_trajectories(tiny_model_dir):
+    async with rollout_stack(
+        tiny_model_dir, max_new_tokens=2000, max_response_length=2000, max_model_len=2048
+    ) as stub:
+        request = rollout_pb2.GenerateRequest(
+                prompts=prompts(2), n=2, request_id="to-abort",
+                sampling=common_pb2.SamplingParams(temperature=1.5, seed=1),
+                limits=common_pb2.LengthLimits(max_new_tokens=1900, max_response_length=1950, max_model_len=2048),
+            )  # fmt: skip
+        call = stub.Generate(request, timeout=300)
+        stats = rollout_pb2.GetStatsRequest()
+        async with asyncio.timeout(60):  # until all four are generating
+            while (await stub.GetStats(stats, timeout=10)).running_trajectories < 4:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        aborted = await stub.Abort(rollout_pb2.AbortRequest(request_id="to-abort"), timeout=10)
+        trajectories = [reply.trajectory async for reply in call]
+    assert aborted.aborted_trajectories >= 1
+    assert len(trajectories) == 4
+    assert any(t.finish_reason == Finish.FINISH_REASON_ABORTED for t in trajectories)
+
+
+async def test_bad_requests_are_invalid_argument(tiny_model_dir):
+    async with rollout_stack(tiny_model_dir) as stub:
+        for request, message in [
+            (rollout_pb2.GenerateRequest(), "prompts is empty"),
+            (
+                rollout_pb2.GenerateRequest(
+                    prompts=prompts(1), limits=common_pb2.LengthLimits(max_new_tokens=5000)
+                ),
+                "max_new_tokens 5000 exceeds max_response_length",
+            ),
+            (
+                rollout_pb2.GenerateRequest(
+                    prompts=[rollout_pb2.RolloutPrompt(messages=[common_pb2.Message()])]
+                ),
+                "message role 0 is not set",
+            ),
+        ]:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await generate(stub, request)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert message in info.value.details()
+
+
+async def test_gsm8k_interaction_answers_the_model(tiny_model_dir):
+    interaction = InteractionEntry(name="checker", class_name="gsm8k", config={"max_attempts": 2})
+    async with rollout_stack(tiny_model_dir, interactions=[interaction]) as stub:
+        request = rollout_pb2.GenerateRequest(
+                prompts=prompts(3, interaction_name="checker"), n=1,
+                sampling=common_pb2.SamplingParams(temperature=0.0),
+                limits=common_pb2.LengthLimits(max_new_tokens=64),
+            )  # fmt: skip
+        for prompt, problem in zip(
+            request.prompts, generate_problems(3, split="test"), strict=True
+        ):
+            prompt.interaction_kwargs.update({"ground_truth": str(problem.answer)})
+        trajectories = await generate(stub, request)
+    ended = {t.finish_reason for t in trajectories}
+    # A right answer ends the conversation; after "try again" the tiny model may ramble on.
+    assert Finish.FINISH_REASON_INTERACTION_TERMINATED in ended
+    assert ended <= {
+        Finish.FINISH_REASON_INTERACTION_TERMINATED,
+        Finish.FINISH_REASON_MAX_TURNS,
+        Finish.FINISH_REASON_MAX_NEW_TOKENS,
+    }
+    users = [s for t in trajectories for s in t.segments if s.source == Source.SEGMENT_SOURCE_USER]
+    replies = [
+        m for t in trajectories for m in t.messages[2:] if m.role == common_pb2.Message.ROLE_USER
+    ]
+    assert len(users) == len(replies)

@@ -1,0 +1,234 @@
+"""The tiny calculator model: it loads with the Auto classes, its tokenizer speaks Qwen2.5's chat
+format, it calls the calculator and copies the tool's result into its answer, and it is built
+once per cache folder. Also the calculator data it learns from."""
+
+import json
+import re
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tool_svc.tools.base import ToolCallError
+from tool_svc.tools.calculator import CalculatorOptions, CalculatorTool, format_value
+from turnrl.calculator_data import (
+    CALCULATOR_TOOL,
+    TOOLS,
+    final_answer,
+    generate_problems,
+    split_of,
+)
+from turnrl.tiny_model import SPECIAL_TOKENS, TOOL_TOKENS, build_tiny_model
+
+HELD_OUT_QUESTIONS = 20
+# Measured with the default settings and seed 0: on these 20 questions 100% of first turns are
+# calculator calls and 90% of final answers copy the last tool result; on 200 held-out
+# questions, 100% and 92% (seeds 1 and 2: 100% and 95%, 93.5%). The bounds leave room for
+# builds on other machines, whose float rounding differs.
+MIN_TOOL_CALL_RATE = 0.9
+MIN_ANSWER_COPY_RATE = 0.75
+MAX_MODEL_TURNS = 4
+MAX_NEW_TOKENS = 64
+TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+
+
+@dataclass
+class Episode:
+    """A held-out problem played out: the model's turns and the calculator's results."""
+
+    turns: list[str] = field(default_factory=list)
+    tool_results: list[str] = field(default_factory=list)
+
+
+def parse_tool_call(text: str) -> dict | None:
+    """The calculator call in a model turn, or None when the turn holds no well-formed one."""
+    match = TOOL_CALL.search(text)
+    if match is None:
+        return None
+    try:
+        call = json.loads(match.group(1))
+    except json.JSONDecodeError:
+        return None
+    arguments = call.get("arguments") if isinstance(call, dict) else None
+    if call.get("name") != "calculator" or not isinstance(arguments, dict):
+        return None
+    return call if isinstance(arguments.get("expression"), str) else None
+
+
+def play(model, tokenizer, messages: list[dict]) -> Episode:
+    """Greedy turns until the model answers without a tool call; calls run the real calculator."""
+    calculator = CalculatorTool("calculator", CalculatorOptions())
+    episode = Episode()
+    messages = list(messages)
+    for _ in range(MAX_MODEL_TURNS):
+        inputs = tokenizer.apply_chat_template(
+            messages, tools=TOOLS, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        with torch.no_grad():
+            output = model.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+        text = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        episode.turns.append(text)
+        call = parse_tool_call(text)
+        if call is None:
+            break
+        try:
+            result = format_value(calculator.evaluate(call["arguments"]["expression"]))
+        except ToolCallError as error:
+            result = error.message
+        episode.tool_results.append(result)
+        messages.append(
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"type": "function", "function": call}],
+            }
+        )
+        messages.append({"role": "tool", "content": result})
+    return episode
+
+
+@pytest.fixture(scope="module")
+def episodes(model, tokenizer) -> list[Episode]:
+    problems = generate_problems(HELD_OUT_QUESTIONS, seed=0, split="test")
+    return [play(model, tokenizer, problem.prompt_messages) for problem in problems]
+
+
+def test_loads_as_a_float32_qwen3_with_tied_embeddings(model, tokenizer):
+    assert model.config.model_type == "qwen3"
+    assert model.config.tie_word_embeddings
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    assert all(parameter.dtype == torch.float32 for parameter in model.parameters())
+    assert model.config.vocab_size == len(tokenizer)
+    assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_tokenizer_round_trips_text(tokenizer):
+    for text in [
+        "Tom has 12 apples. He buys 7 more.",
+        "  spaces,\ttabs\nand newlines\n\n",
+        "unseen words: Zürich, 東京, emoji 🙂, 3.14159",
+    ]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.decode(ids) == text
+
+
+def test_chat_tokens_are_single_ids(tokenizer):
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.pad_token == "<|endoftext|>"
+    ids = [
+        tokenizer.encode(token, add_special_tokens=False) for token in SPECIAL_TOKENS + TOOL_TOKENS
+    ]
+    assert all(len(token_ids) == 1 for token_ids in ids), ids
+    assert len({token_ids[0] for token_ids in ids}) == len(ids)
+    text = "<|im_start|>assistant\n<tool_call>\n{}\n</tool_call><|im_end|>"
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+
+
+def test_chat_template_is_qwen25_and_renders_tools(tokenizer, fixtures):
+    template = (fixtures / "chat_templates" / "qwen2.5-instruct.jinja").read_text()
+    assert tokenizer.chat_template == template
+    problem = generate_problems(1, seed=0)[0]
+    text = tokenizer.apply_chat_template(problem.messages, tools=TOOLS, tokenize=False)
+    assert json.dumps(CALCULATOR_TOOL) in text
+    expression = problem.expressions[0]
+    call = f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}\n</tool_call>'
+    assert f"<|im_start|>assistant\n{call}<|im_end|>" in text
+    result = problem.messages[3]["content"]
+    assert f"<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>" in text
+    assert text.endswith(f"<|im_start|>assistant\n#### {problem.answer}<|im_end|>\n")
+    ids = tokenizer.apply_chat_template(problem.prompt_messages, tools=TOOLS, return_dict=True)[
+        "input_ids"
+    ]
+    assert tokenizer.decode(ids).endswith("<|im_start|>user\n" + problem.question + "<|im_end|>\n")
+
+
+def test_sft_schema_is_the_one_tool_svc_serves():
+    assert {"type": "function", "function": CalculatorTool.schema} == CALCULATOR_TOOL
+
+
+def test_held_out_first_turns_are_calculator_calls(episodes):
+    calls = [parse_tool_call(episode.turns[0]) for episode in episodes]
+    rate = sum(call is not None for call in calls) / len(calls)
+    assert rate >= MIN_TOOL_CALL_RATE, [episode.turns[0] for episode in episodes]
+
+
+def test_final_answers_copy_the_last_tool_result(episodes):
+    copied = [
+        bool(episode.tool_results) and final_answer(episode.turns[-1]) == episode.tool_results[-1]
+        for episode in episodes
+    ]
+    rate = sum(copied) / len(copied)
+    assert rate >= MIN_ANSWER_COPY_RATE, [(e.turns, e.tool_results) for e in episodes]
+
+
+def test_second_build_reuses_the_cached_folder(tiny_model_dir):
+    weights = tiny_model_dir / "model.safetensors"
+    modified_ns = weights.stat().st_mtime_ns
+    assert build_tiny_model() == tiny_model_dir
+    assert weights.stat().st_mtime_ns == modified_ns
+    # The atomic build leaves no temporary folder behind.
+    building = f".{tiny_model_dir.name}-"
+    assert not [path for path in tiny_model_dir.parent.iterdir() if path.name.startswith(building)]
+
+
+def test_missing_chat_template_fails_before_building(tmp_path, monkeypatch):
+    monkeypatch.setenv("TURNRL_FIXTURES", str(tmp_path / "no-fixtures"))
+    with pytest.raises(FileNotFoundError, match=re.escape("qwen2.5-instruct.jinja")):
+        build_tiny_model(tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_problems_are_deterministic_per_seed():
+    first = generate_problems(50, seed=3)
+    again = generate_problems(50, seed=3)
+    assert [(p.question, p.answer, p.messages) for p in first] == [
+        (p.question, p.answer, p.messages) for p in again
+    ]
+    assert [p.question for p in generate_problems(50, seed=4)] != [p.question for p in first]
+
+
+def test_splits_share_no_question():
+    train = {p.question for p in generate_problems(500, seed=0, split="train")}
+    test = {p.question for p in generate_problems(500, seed=0, split="test")}
+    assert not train & test
+    assert {split_of(question) for question in test} == {"test"}
+
+
+def test_conversations_are_solved_exactly():
+    for problem in generate_problems(200, seed=1):
+        calls = [m for m in problem.messages if m["role"] == "assistant" and m.get("tool_calls")]
+        results = [m["content"] for m in problem.messages if m["role"] == "tool"]
+        assert 1 <= len(calls) <= 2 and len(results) == len(calls)
+        calculator = CalculatorTool("calculator", CalculatorOptions())
+        for call, result, expression in zip(calls, results, problem.expressions, strict=True):
+            arguments = call["tool_calls"][0]["function"]["arguments"]
+            assert arguments == {"expression": expression}
+            assert format_value(calculator.evaluate(expression)) == result
+        assert results[-1] == str(problem.answer)
+        assert final_answer(problem.messages[-1]["content"]) == str(problem.answer)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("#### 19", "19"),
+        ("The answer is\n#### 1,234.", "1234"),
+        ("#### 3 then #### -4", "-4"),
+        ("####19", "19"),
+        ("the answer is 19", None),
+        ("#### x", None),
+    ],
+)
+def test_final_answer(text, expected):
+    assert final_answer(text) == expected
