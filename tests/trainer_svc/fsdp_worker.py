@@ -1,0 +1,97 @@
+"""One rank of test_fsdp's 2-rank run; also the batch, settings and loss the test shares with it.
+
+    torchrun --standalone --nproc-per-node 2 tests/trainer_svc/fsdp_worker.py \
+        MODEL_DIR CHECKPOINT_FILE OUT_DIR
+
+Rank r trains on rows r, r + 2, ... of `fixed_batch()`: its logprobs before training, the
+first step's gradients, the weights after 3 steps, its weights after loading CHECKPOINT_FILE (written by one process after
+2 steps) and stepping once more, and a bf16 step with activation checkpointing, all go into
+OUT_DIR/rank0.pt (rank 0); the model after 3 steps is also exported to OUT_DIR/hf.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from trainer_svc.fsdp import Batch, FsdpPolicy, TrainSettings
+
+# Small enough for several micro-batches per rank, and a different count on each rank.
+SETTINGS = TrainSettings(learning_rate=1e-3, grad_clip=0.5, micro_batch_tokens=24)
+STEPS = 3
+
+
+def fixed_batch() -> Batch:
+    """Seven rows of 3 to 16 random tokens (vocabulary 256); the loss covers each row's tail."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = [16, 3, 9, 12, 5, 16, 7]
+    token_ids = [torch.randint(256, (n,), generator=generator).tolist() for n in lengths]
+    loss_masks = [[i >= n // 3 for i in range(n)] for n in lengths]
+    advantages = [[float(torch.randn(1, generator=generator))] * n for n in lengths]
+    return Batch.from_sequences(token_ids, loss_masks, {"advantages": advantages}, pad_token_id=0)
+
+
+def rank_rows(batch: Batch, rank: int, world_size: int) -> Batch:
+    rows = list(range(rank, batch.input_ids.shape[0], world_size))
+    return batch.select(rows, torch.device("cpu"))
+
+
+def token_mean_loss(micro: Batch, logprobs: torch.Tensor, entropy: torch.Tensor | None):
+    """Policy-gradient loss, mean over all loss tokens of the step (a batch-global denominator)."""
+    mask = micro.loss_mask
+    per_token = -logprobs * micro.extras["advantages"] * mask
+    mean_logprob = float((logprobs.detach() * mask).sum() / mask.sum().clamp(min=1))
+    return per_token.sum() / micro.global_token_count, {"mean_logprob": mean_logprob}
+
+
+def step_gradients(policy: FsdpPolicy) -> dict[str, torch.Tensor]:
+    """Filled with the full gradients the optimizer applies at `policy`'s next step (collective
+    under FSDP: every rank gathers them)."""
+    gradients = {}
+
+    def capture(optimizer, args, kwargs) -> None:
+        for name, parameter in policy.model.named_parameters():
+            gradient = parameter.grad
+            gradients[name] = gradient.full_tensor() if isinstance(gradient, DTensor) else gradient
+            gradients[name] = gradients[name].clone()
+        handle.remove()
+
+    handle = policy.optimizer.register_step_pre_hook(capture)
+    return gradients
+
+
+def main(model_dir: str, checkpoint_file: str, out_dir: str) -> None:
+    policy = FsdpPolicy(model_dir, SETTINGS)
+    rows = rank_rows(fixed_batch(), policy.rank, policy.world_size)
+    logprobs, _ = policy.logprobs(rows)
+    gradients = step_gradients(policy)
+    metrics = [policy.train_step(rows, token_mean_loss) for _ in range(STEPS)]
+    trained = policy.full_state_dict()
+    policy.save_pretrained(Path(out_dir) / "hf")
+    policy.load_checkpoint_state(torch.load(checkpoint_file, weights_only=False))
+    resumed_metrics = policy.train_step(rows, token_mean_loss)
+    resumed = policy.full_state_dict()
+
+    bf16_settings = SETTINGS.model_copy(
+        update={"dtype": "bfloat16", "activation_checkpointing": True}
+    )
+    bf16_metrics = FsdpPolicy(model_dir, bf16_settings).train_step(rows, token_mean_loss)
+    if policy.rank == 0:
+        torch.save(
+            {
+                "logprobs": logprobs,
+                "gradients": gradients,
+                "metrics": metrics,
+                "trained": trained,
+                "resumed_metrics": resumed_metrics,
+                "resumed": resumed,
+                "bf16_metrics": bf16_metrics,
+            },
+            Path(out_dir) / "rank0.pt",
+        )
+    policy.close()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

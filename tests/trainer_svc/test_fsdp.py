@@ -1,0 +1,197 @@
+"""FsdpPolicy on a tiny random Qwen3: logprobs, micro-batching, 2-rank FSDP2, checkpoints, export."""
+
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from tests.trainer_svc.fsdp_worker import (
+    SETTINGS,
+    STEPS,
+    fixed_batch,
+    rank_rows,
+    step_gradients,
+    token_mean_loss,
+)
+from trainer_svc.fsdp import Batch, FsdpPolicy, TrainSettings, lr_factor, micro_batch_rows
+
+WORKER = Path(__file__).with_name("fsdp_worker.py")
+WORKER_TIMEOUT_SECONDS = 120
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A randomly initialised 2-layer Qwen3 with tied embeddings, saved in HF format."""
+    config = Qwen3Config(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tiny_qwen3")
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def policy(model_dir: Path, **settings) -> FsdpPolicy:
+    return FsdpPolicy(model_dir, SETTINGS.model_copy(update=settings))
+
+
+def max_difference(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> float:
+    assert left.keys() == right.keys()
+    return max(float((left[name] - right[name]).abs().max()) for name in left)
+
+
+def test_from_sequences_rejects_rows_of_other_lengths():
+    with pytest.raises(ValueError, match=r"loss_masks row lengths \[2\] differ .* \[3\]"):
+        Batch.from_sequences([[1, 2, 3]], [[True, True]])
+
+
+def test_micro_batch_rows_fill_the_token_budget_longest_first():
+    assert micro_batch_rows([3, 10, 4, 5, 2], max_tokens=12) == [[1], [3, 2], [0, 4]]
+
+
+def test_lr_warms_up_then_follows_a_cosine_to_the_minimum():
+    settings = TrainSettings(warmup_steps=2, lr_schedule="cosine", total_steps=6, min_lr_ratio=0.1)
+    factors = [lr_factor(step, settings) for step in range(8)]
+    assert factors[:3] == [0.5, 1.0, 1.0]
+    assert factors[4] == pytest.approx(0.55)
+    assert factors[6:] == [pytest.approx(0.1)] * 2
+    with pytest.raises(ValueError, match="total_steps=0"):
+        TrainSettings(lr_schedule="cosine")
+
+
+def test_logprobs_match_a_full_forward_whatever_the_micro_batches_and_row_order(model_dir):
+    batch = fixed_batch()
+    lengths = batch.attention_mask.sum(1).tolist()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    expected = torch.zeros(batch.input_ids.shape)
+    expected_entropy = torch.zeros(batch.input_ids.shape)
+    with torch.no_grad():
+        for row, length in enumerate(lengths):
+            ids = batch.input_ids[row : row + 1, :length]
+            log_probs = model(ids).logits[0, :-1].log_softmax(-1)
+            expected[row, 1:length] = log_probs.gather(-1, ids[0, 1:, None])[:, 0]
+            expected_entropy[row, 1:length] = -(log_probs.exp() * log_probs).sum(-1)
+
+    one_micro_batch = policy(model_dir, micro_batch_tokens=4096)
+    logprobs, entropy = one_micro_batch.logprobs(batch, with_entropy=True)
+    torch.testing.assert_close(logprobs, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, expected_entropy, atol=1e-5, rtol=0)
+    tiny_micro_batches = policy(model_dir, micro_batch_tokens=1)
+    torch.testing.assert_close(tiny_micro_batches.logprobs(batch)[0], expected, atol=1e-5, rtol=0)
+    reversed_rows = list(reversed(range(len(lengths))))
+    logprobs_reversed, _ = one_micro_batch.logprobs(
+        batch.select(reversed_rows, torch.device("cpu"))
+    )
+    torch.testing.assert_close(logprobs_reversed, expected[reversed_rows], atol=1e-5, rtol=0)
+
+
+def test_micro_batched_step_equals_one_big_batch_step(model_dir):
+    # Gradients are compared, not updated weights: Adam's first update is about lr * sign(grad),
+    # so float noise flips it where a gradient is near zero, and it hides any loss scale.
+    batch = fixed_batch()
+    assert len(micro_batch_rows(batch.attention_mask.sum(1).tolist(), 24)) > 3
+    big, small = policy(model_dir, micro_batch_tokens=4096), policy(model_dir)
+    big_gradients, small_gradients = step_gradients(big), step_gradients(small)
+    big_metrics = big.train_step(batch, token_mean_loss)
+    small_metrics = small.train_step(batch, token_mean_loss)
+    assert max_difference(big_gradients, small_gradients) <= 1e-7
+    assert max(float(gradient.abs().max()) for gradient in big_gradients.values()) > 1e-2
+    assert small_metrics == pytest.approx(big_metrics, abs=1e-6)
+    assert big_metrics["grad_norm"] > SETTINGS.grad_clip  # clipping was part of the step
+
+
+def test_two_rank_fsdp_equals_one_process(model_dir, tmp_path):
+    batch = fixed_batch()
+    single = policy(model_dir)
+    single_logprobs, _ = single.logprobs(batch)
+    single_gradients = step_gradients(single)
+    single_metrics = [single.train_step(batch, token_mean_loss) for _ in range(STEPS - 1)]
+    torch.save(single.state_dict_for_checkpoint(), tmp_path / "step2.pt")
+    single_metrics.append(single.train_step(batch, token_mean_loss))
+    single_trained = single.full_state_dict()
+
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(WORKER), str(model_dir), str(tmp_path / "step2.pt"), str(tmp_path),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    worker = subprocess.Popen(command, env=env, start_new_session=True, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        output, _ = worker.communicate(timeout=WORKER_TIMEOUT_SECONDS)
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
+    assert worker.returncode == 0, output
+    ranks = torch.load(tmp_path / "rank0.pt", weights_only=False)
+
+    rank0_length = rank_rows(batch, rank=0, world_size=2).input_ids.shape[1]
+    torch.testing.assert_close(
+        ranks["logprobs"], single_logprobs[0::2, :rank0_length], atol=1e-6, rtol=0
+    )
+    assert max_difference(ranks["gradients"], single_gradients) <= 1e-7
+    # Adam's first update is about lr * sign(grad), so where a gradient is near zero float noise
+    # moves a weight by up to a few % of lr (1e-3); a step from equal Adam state stays at 1e-6.
+    assert max_difference(ranks["trained"], single_trained) <= 2e-5
+    assert max_difference(ranks["resumed"], single_trained) <= 1e-6
+    for two_rank, one_rank in zip([*ranks["metrics"], ranks["resumed_metrics"]],
+                                  [*single_metrics, single_metrics[-1]], strict=True):  # fmt: skip
+        assert two_rank == pytest.approx(one_rank, abs=1e-5)
+    assert all(math.isfinite(value) for value in ranks["bf16_metrics"].values())
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert max_difference(exported.state_dict(), ranks["trained"]) == 0
+
+
+def test_checkpoint_resumes_identically_and_export_loads_with_transformers(model_dir, tmp_path):
+    settings = {"warmup_steps": 1, "lr_schedule": "cosine", "total_steps": 4}
+    batch = fixed_batch()
+    trained = policy(model_dir, **settings)
+    trained.train_step(batch, token_mean_loss)
+    torch.save(trained.state_dict_for_checkpoint(), tmp_path / "checkpoint.pt")
+    expected_metrics = trained.train_step(batch, token_mean_loss)
+
+    resumed = policy(model_dir, **settings)
+    resumed.load_checkpoint_state(torch.load(tmp_path / "checkpoint.pt", weights_only=False))
+    assert resumed.train_step(batch, token_mean_loss) == pytest.approx(expected_metrics, abs=0)
+    assert max_difference(resumed.full_state_dict(), trained.full_state_dict()) == 0
+
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "tokenizer.json").write_text("{}")
+    trained.save_pretrained(tmp_path / "hf", tokenizer_dir=tmp_path / "tokenizer")
+    assert (tmp_path / "hf" / "tokenizer.json").read_text() == "{}"
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert trained.full_state_dict().keys() == exported.state_dict().keys()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            exported(batch.input_ids).logits, trained.model(batch.input_ids).logits, atol=0, rtol=0
+        )
+
+
+def test_bf16_step_gives_finite_metrics(model_dir):
+    metrics = policy(model_dir, dtype="bfloat16").train_step(fixed_batch(), token_mean_loss)
+    assert metrics.keys() == {"loss", "grad_norm", "lr", "mean_logprob"}
+    assert all(math.isfinite(value) for value in metrics.values())
+
+
+def test_activation_checkpointing_changes_no_weight(model_dir):
+    plain, checkpointed = policy(model_dir), policy(model_dir, activation_checkpointing=True)
+    assert checkpointed.model.is_activation_checkpointing
+    for _ in range(2):
+        plain.train_step(fixed_batch(), token_mean_loss)
+        checkpointed.train_step(fixed_batch(), token_mean_loss)
+    assert max_difference(plain.full_state_dict(), checkpointed.full_state_dict()) <= 1e-6

@@ -1,0 +1,415 @@
+"""The trainer's model back end: a transformers causal LM under FSDP2, its logprobs and train step.
+
+Launched by torchrun, every rank holds a shard of the model, from `fully_shard` on each decoder
+layer and then the root, as torchtitan's `apply_fsdp_to_decoder` does; in a plain single
+process the model stays whole, with no process group. Every method that touches the model
+is collective under FSDP: all ranks call it, in the same order.
+
+Data parallelism: each rank passes its own rows, and a step equals one step on all ranks' rows
+together when the loss is normalised by counts over all of them: `train_step` puts those counts
+on every micro-batch, and makes FSDP's mean of the ranks' gradients a sum.
+
+The loss_fn contract of `train_step`:
+
+    loss_fn(micro: Batch, logprobs: Tensor, entropy: Tensor | None) -> (loss, metrics)
+
+`micro` holds some rows of this rank's batch, trimmed to its longest row; `logprobs` and
+`entropy` are (rows, length) and carry gradients. `loss` is this micro-batch's share of the
+whole step's loss: its sum over the micro-batch divided by batch-global counts
+(`micro.global_token_count`, `micro.global_sequence_count`), never by micro-batch counts, so
+the shares add up to the full-batch loss. `metrics` are this micro-batch's means (e.g. a clip
+fraction over its loss tokens); the step reports them weighted by loss tokens.
+"""
+
+import math
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal, Self
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from pydantic import Field, model_validator
+from torch import Tensor
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from turnrl.config import StrictModel
+
+# Files of a Hugging Face tokenizer folder that `save_pretrained` copies, when present.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+# Full, unsharded tensors on CPU; under FSDP only rank 0 receives them.
+FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class TrainSettings(StrictModel):
+    """Optimiser, schedule, precision and memory settings of the policy's training."""
+
+    learning_rate: float = Field(1e-5, gt=0, description="Peak AdamW learning rate, per step.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay, per step.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW moment decay rates.")
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warm-up to the peak.")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="Learning rate after warm-up: constant, or cosine decay."
+    )
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1, description="Cosine: final learning rate as a fraction of the peak."
+    )
+    total_steps: int = Field(
+        0, ge=0, description="Cosine: optimizer steps until the learning rate reaches its minimum."
+    )
+    grad_clip: float = Field(
+        1.0, gt=0, description="Largest global L2 norm of the gradients; .inf only measures it."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Compute dtype. bfloat16 runs forward and backward in bf16 (FSDP2's "
+        "mixed precision; autocast in a single process) and reduces gradients in fp32; "
+        "weights, logprobs and optimizer state stay fp32 either way.",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each decoder layer in the backward pass to save memory."
+    )
+    micro_batch_tokens: int = Field(
+        4096, gt=0, description="Token budget of one micro-batch: rows x its longest row."
+    )
+
+    @model_validator(mode="after")
+    def _cosine_needs_total_steps(self) -> Self:
+        if self.lr_schedule == "cosine" and self.total_steps <= self.warmup_steps:
+            raise ValueError(
+                f"cosine schedule needs total_steps > warmup_steps; got total_steps="
+                f"{self.total_steps!r}, warmup_steps={self.warmup_steps!r}"
+            )
+        return self
+
+
+@dataclass
+class Batch:
+    """Right-padded rows of tokens and their per-token tensors, all (rows, length)."""
+
+    input_ids: Tensor  # long
+    attention_mask: Tensor  # long; 1 on real tokens, which come first in each row
+    loss_mask: Tensor  # bool; True where the loss applies (sampled tokens)
+    # Per-token floats split with the rows: old_logprobs, advantages, ref_logprobs, ...
+    extras: dict[str, Tensor] = field(default_factory=dict)
+    # Set by `train_step` on each micro-batch: loss tokens and rows over all ranks' batches.
+    global_token_count: int = 0
+    global_sequence_count: int = 0
+
+    @classmethod
+    def from_sequences(
+        cls,
+        token_ids: list[list[int]],
+        loss_masks: list[list[bool]],
+        extras: dict[str, list[list[float]]] | None = None,
+        pad_token_id: int = 0,
+    ) -> "Batch":
+        """Pads rows on the right; every loss mask and extra row has its token row's length."""
+        extras = extras or {}
+        for name, rows in {"loss_masks": loss_masks, **extras}.items():
+            lengths = [len(row) for row in rows]
+            expected = [len(row) for row in token_ids]
+            if lengths != expected:
+                raise ValueError(
+                    f"{name} row lengths {lengths!r} differ from token_ids' {expected!r}"
+                )
+        if not token_ids or min(map(len, token_ids)) == 0:
+            raise ValueError("a batch needs at least one row and no empty row")
+        width = max(map(len, token_ids))
+
+        def padded(rows: list[list[Any]], value: Any, dtype: torch.dtype) -> Tensor:
+            return torch.tensor([row + [value] * (width - len(row)) for row in rows], dtype=dtype)
+
+        return cls(
+            input_ids=padded(token_ids, pad_token_id, torch.long),
+            attention_mask=padded([[1] * len(row) for row in token_ids], 0, torch.long),
+            loss_mask=padded(loss_masks, False, torch.bool),
+            extras={name: padded(rows, 0.0, torch.float32) for name, rows in extras.items()},
+        )
+
+    def select(self, rows: list[int], device: torch.device) -> "Batch":
+        """These rows, in this order, trimmed to the longest of them, on `device`."""
+        index = torch.tensor(rows, device=self.input_ids.device)
+        length = int(self.attention_mask[index].sum(1).max())
+
+        def take(tensor: Tensor) -> Tensor:
+            return tensor[index, :length].to(device)
+
+        return replace(
+            self,
+            input_ids=take(self.input_ids),
+            attention_mask=take(self.attention_mask),
+            loss_mask=take(self.loss_mask),
+            extras={name: take(tensor) for name, tensor in self.extras.items()},
+        )
+
+
+LossFn = Callable[[Batch, Tensor, Tensor | None], tuple[Tensor, dict[str, float]]]
+
+
+def init_distributed() -> tuple[int, int]:
+    """Joins torchrun's process group (gloo on CPU, nccl on GPU); returns (rank, world_size).
+
+    Outside torchrun, or with a group already made, it makes none: (0, 1) or the group's.
+    """
+    if dist.is_torchelastic_launched() and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def apply_fsdp(model: PreTrainedModel, mesh: DeviceMesh, settings: TrainSettings) -> None:
+    """Shards each decoder layer, then the root (embeddings, final norm, head) over `mesh`.
+
+    Layers reshard after forward (parameters are gathered again for backward): memory over
+    traffic, as torchtitan does by default. Gradients are averaged across ranks.
+    """
+    mp_policy = MixedPrecisionPolicy()
+    if settings.dtype == "bfloat16":
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+
+
+def lr_factor(step: int, settings: TrainSettings) -> float:
+    """Learning rate of optimizer step `step` (from 0) as a fraction of the peak."""
+    if step < settings.warmup_steps:
+        return (step + 1) / settings.warmup_steps
+    if settings.lr_schedule == "constant":
+        return 1.0
+    decay_steps = settings.total_steps - settings.warmup_steps
+    progress = min(1.0, (step - settings.warmup_steps) / decay_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return settings.min_lr_ratio + (1.0 - settings.min_lr_ratio) * cosine
+
+
+def micro_batch_rows(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Row indices of each micro-batch: longest rows first, each micro-batch filled while its
+    rows x its longest row fit in `max_tokens`; a row longer than that goes alone."""
+    groups: list[list[int]] = []
+    for row in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return groups
+
+
+def token_logprobs(
+    logits: Tensor, input_ids: Tensor, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """logprobs[:, t] of input_ids[:, t] under logits[:, t - 1], and that distribution's
+    entropy; column 0 has no prefix and gets 0. Works in fp32 whatever the logits' dtype."""
+    logits = logits[:, :-1].float()
+    log_norm = logits.logsumexp(-1)
+    picked = logits.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - log_norm
+    if not with_entropy:
+        return F.pad(picked, (1, 0)), None
+    probs = (logits - log_norm[..., None]).exp()
+    entropy = log_norm - (probs * logits).sum(-1)
+    return F.pad(picked, (1, 0)), F.pad(entropy, (1, 0))
+
+
+class FsdpPolicy:
+    """The trained policy: model, AdamW and LR schedule, sharded under torchrun.
+
+    The model is loaded in fp32 on every rank, then sharded; a model too large for one device
+    needs meta-device init first (not done here).
+    """
+
+    def __init__(self, model_path: str | Path, settings: TrainSettings) -> None:
+        self.settings = settings
+        joined_a_group = dist.is_initialized()
+        self.rank, self.world_size = init_distributed()
+        self.is_sharded = dist.is_initialized()
+        self._owns_process_group = self.is_sharded and not joined_a_group
+        self.device = torch.device("cpu")
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", dist.get_node_local_rank(fallback_rank=0))
+            torch.cuda.set_device(self.device)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        if settings.activation_checkpointing:
+            # transformers checkpoints each layer's `forward`, inside FSDP2's hooks, so the
+            # recompute runs on the parameters FSDP gathers for the backward pass anyway.
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        model.to(self.device)
+        if self.is_sharded:
+            apply_fsdp(model, init_device_mesh(self.device.type, (self.world_size,)), settings)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=settings.learning_rate,
+            betas=settings.betas,
+            weight_decay=settings.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, partial(lr_factor, settings=settings)
+        )
+
+    def logprobs(self, batch: Batch, *, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Logprob (and entropy) of each token given its prefix, (rows, length) like the batch,
+        on the batch's device; column 0 and padding get 0."""
+        self.model.eval()
+        logprobs = torch.zeros(batch.input_ids.shape, device=batch.input_ids.device)
+        entropy = torch.zeros_like(logprobs) if with_entropy else None
+        with torch.no_grad():
+            for rows, micro, _ in self._micro_batches(batch):
+                micro_logprobs, micro_entropy = self._forward(micro, with_entropy)
+                length = micro.input_ids.shape[1]
+                logprobs[rows, :length] = micro_logprobs.to(logprobs.device)
+                if entropy is not None:
+                    entropy[rows, :length] = micro_entropy.to(entropy.device)
+        return logprobs, entropy
+
+    def train_step(
+        self, batch: Batch, loss_fn: LossFn, *, with_entropy: bool = False
+    ) -> dict[str, float]:
+        """One optimizer step on this rank's `batch` (see the module docstring for `loss_fn`).
+
+        Returns the step's metrics, equal on all ranks: `loss` (the full-batch loss), the
+        pre-clip `grad_norm`, the `lr` used, and loss_fn's metrics weighted by loss tokens. A
+        non-finite gradient norm skips the update.
+        """
+        self.model.train()
+        token_count, sequence_count = self._sum_over_ranks(
+            [float(batch.loss_mask.sum()), float(batch.input_ids.shape[0])]
+        )
+        batch = replace(
+            batch, global_token_count=int(token_count), global_sequence_count=int(sequence_count)
+        )
+        loss_total, token_weight, weighted = 0.0, 0.0, {}
+        for _, micro, is_filler in self._micro_batches(batch):
+            logprobs, entropy = self._forward(micro, with_entropy)
+            loss, metrics = loss_fn(micro, logprobs, entropy)
+            if is_filler:
+                loss = loss * 0.0
+            # FSDP averages gradients over ranks; these shares are of all ranks' batch, so
+            # scaling by the world size turns that average into the sum.
+            (loss * self.world_size).backward()
+            loss_total += float(loss.detach())
+            weight = 0.0 if is_filler else float(micro.loss_mask.sum())
+            token_weight += weight
+            for name, value in metrics.items():
+                weighted[name] = weighted.get(name, 0.0) + value * weight
+        names = sorted(weighted)
+        loss_total, token_weight, *totals = self._sum_over_ranks(
+            [loss_total, token_weight, *(weighted[name] for name in names)]
+        )
+
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        metrics = {
+            name: total / max(token_weight, 1.0) for name, total in zip(names, totals, strict=True)
+        }
+        return {**metrics, "loss": loss_total, "grad_norm": grad_norm, "lr": lr}
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Unsharded fp32 weights on CPU under the model's Hugging Face names, a snapshot that
+        later steps leave alone. Under FSDP only rank 0 gets them; other ranks get {}."""
+        state = get_model_state_dict(self.model, options=FULL_ON_CPU)
+        if self.is_sharded:
+            return state
+        # Plain on CPU, the tensors are the live parameters.
+        return {name: tensor.detach().clone() for name, tensor in state.items()}
+
+    def state_dict_for_checkpoint(self) -> dict[str, Any]:
+        """Model, optimizer and scheduler state, unsharded on CPU, for `torch.save` by rank 0.
+
+        Under FSDP only rank 0's model and optimizer entries are filled; a checkpoint written
+        by any number of ranks loads with any other number.
+        """
+        model_state, optimizer_state = get_state_dict(
+            self.model, self.optimizer, options=FULL_ON_CPU
+        )
+        scheduler_state = self.scheduler.state_dict()
+        return {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler_state}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Restores `state_dict_for_checkpoint`'s output; every rank passes the whole of it."""
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=StateDictOptions(full_state_dict=True),
+        )
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def save_pretrained(self, folder: str | Path, tokenizer_dir: str | Path | None = None) -> None:
+        """Writes the model in Hugging Face format (config, safetensors) into `folder` on rank 0,
+        with the tokenizer files of `tokenizer_dir` copied beside it."""
+        state = self.full_state_dict()
+        if self.rank != 0:
+            return
+        self.model.save_pretrained(folder, state_dict=state)
+        for name in TOKENIZER_FILES if tokenizer_dir else ():
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copy2(Path(tokenizer_dir) / name, Path(folder) / name)
+
+    def close(self) -> None:
+        """Leaves the process group, if this policy made it."""
+        if self._owns_process_group:
+            dist.destroy_process_group()
+            self._owns_process_group = False
+
+    def _micro_batches(self, batch: Batch) -> Iterator[tuple[list[int], Batch, bool]]:
+        """(rows, micro-batch, is_filler) in order. Under FSDP every rank runs as many
+        micro-batches as the rank with most, since each forward gathers parameters with all of
+        them: a rank with fewer repeats its last one as a filler, whose loss counts zero."""
+        lengths = batch.attention_mask.sum(1).tolist()
+        groups = micro_batch_rows(lengths, self.settings.micro_batch_tokens)
+        count = len(groups)
+        if self.is_sharded:
+            count_tensor = torch.tensor(count, device=self.device)
+            dist.all_reduce(count_tensor, op=dist.ReduceOp.MAX)
+            count = int(count_tensor)
+        for index in range(count):
+            rows = groups[min(index, len(groups) - 1)]
+            yield rows, batch.select(rows, self.device), index >= len(groups)
+
+    def _forward(self, micro: Batch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        # Plain bf16 uses autocast; under FSDP the mixed-precision policy casts instead.
+        use_autocast = self.settings.dtype == "bfloat16" and not self.is_sharded
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_autocast):
+            logits = self.model(
+                input_ids=micro.input_ids, attention_mask=micro.attention_mask, use_cache=False
+            ).logits
+        logprobs, entropy = token_logprobs(logits, micro.input_ids, with_entropy)
+        real = micro.attention_mask.bool()
+        return logprobs * real, None if entropy is None else entropy * real
+
+    def _sum_over_ranks(self, values: list[float]) -> list[float]:
+        if not self.is_sharded:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor)
+        return tensor.tolist()
