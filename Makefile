@@ -17,10 +17,11 @@ $(STAMP): pyproject.toml constraints.txt scripts/setup_system.sh
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
-# The main job on the CPU default. Until the trainer issue lands this starts the four services,
-# checks each one over gRPC (health + reflection) and stops them: it trains nothing yet.
+# The main job on the CPU default: GRPO on the tiny calculator model through the four services.
+# Each demo is a new run under runs/ (resume one with trainer.run_name=NAME --resume).
 demo: $(STAMP)
-	$(VENV)/bin/turnrl up --config examples/calculator/config.yaml --check
+	$(VENV)/bin/turnrl run --config examples/calculator/config.yaml \
+	  trainer.run_name=calculator-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP)
 	$(PY) -m pytest

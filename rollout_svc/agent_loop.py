@@ -13,6 +13,7 @@ the model reads, never a lost trajectory.
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -226,7 +227,9 @@ class _Run:
         try:
             output = await self.loop.engine.generate(
                 self.token_ids,
-                dataclasses.replace(self.sampling, max_new_tokens=budget),
+                dataclasses.replace(
+                    self.sampling, max_new_tokens=budget, seed=self._turn_seed()
+                ),
                 request_id=engine_request_id,
                 session_id=self.trajectory_id,
             )
@@ -302,6 +305,14 @@ class _Run:
         if result.HasField("step_reward"):
             self.step_rewards.append(result.step_reward)
         return result.text, result.HasField("error")
+
+    def _turn_seed(self) -> int | None:
+        """The caller's seed made distinct per trajectory and turn: one seed for all would give
+        the `n` samples of a prompt the same tokens."""
+        if self.sampling.seed is None:
+            return None
+        key = f"{self.sampling.seed}/{self.trajectory_id}/{len(self.turn_metrics)}"
+        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") >> 1
 
     async def _tool_session(self, name: str) -> str:
         """The session of a tool that has per-trajectory kwargs; "" for the others."""

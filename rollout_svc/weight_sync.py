@@ -25,6 +25,8 @@ class WeightReceiver:
         self._device = device
         self._group: dist.ProcessGroup | None = None
         self._group_name = ""
+        # Holds one update's buckets from push to push: fresh memory costs a page fault per 4 KiB.
+        self._staging = torch.empty(0, dtype=torch.uint8, device=device)
 
     async def join(
         self,
@@ -64,7 +66,9 @@ class WeightReceiver:
     async def receive(
         self, group_name: str, metas: list[TensorMeta], bucket_size_bytes: int
     ) -> list[tuple[str, torch.Tensor]]:
-        """Receives one update broadcast by rank 0, bucket by bucket, in `metas` order."""
+        """Receives one update broadcast by rank 0, bucket by bucket, in `metas` order. The
+        tensors are views of a staging buffer that the next update overwrites: load (copy)
+        them before receiving again."""
         if self._group is None or group_name != self._group_name:
             raise FailedPreconditionError(
                 f"no weight-sync group {group_name!r}; call InitWeightSync first"
@@ -74,11 +78,18 @@ class WeightReceiver:
                 f"bucket_size_bytes must be positive, got {bucket_size_bytes}"
             )
         group = self._group
+        buckets = plan_buckets(metas, bucket_size_bytes)
+        # Every bucket starts 64-byte aligned, as a fresh buffer would, so its dtype views work.
+        spans = [-(-sum(metas[i].nbytes for i in bucket) // 64) * 64 for bucket in buckets]
+        if self._staging.numel() < sum(spans):
+            self._staging = torch.empty(sum(spans), dtype=torch.uint8, device=self._device)
         received: list[tuple[str, torch.Tensor]] = []
-        for bucket in plan_buckets(metas, bucket_size_bytes):
+        offset = 0
+        for bucket, span in zip(buckets, spans, strict=True):
             bucket_metas = [metas[i] for i in bucket]
             size = sum(meta.nbytes for meta in bucket_metas)
-            flat = torch.empty(size, dtype=torch.uint8, device=self._device)
+            flat = self._staging[offset : offset + size]
+            offset += span
             await asyncio.to_thread(_broadcast_from_trainer, group, flat)
             received += zip((m.name for m in bucket_metas), unpack(flat, bucket_metas), strict=True)
         return received

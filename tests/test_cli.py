@@ -144,12 +144,15 @@ async def test_unknown_arguments_are_refused():
     assert "unrecognized arguments: tool.server.port=1" in stderr
 
 
-async def test_run_starts_the_services_and_reports_that_training_is_not_there_yet():
+async def test_run_reports_a_refused_run_and_stops_the_services(tmp_path):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "metrics.jsonl").write_text("")
     code, _, stderr = await run_turnrl(
-        "run", "--config", str(EXAMPLE_CONFIG), *[f"{n}.server.port=0" for n in SERVICE_NAMES]
-    )
+        "run", "--config", str(EXAMPLE_CONFIG), *[f"{n}.server.port=0" for n in SERVICE_NAMES],
+        f"trainer.output_dir={tmp_path}", "trainer.run_name=taken",
+    )  # fmt: skip
     assert code == 1
-    assert "StartRun failed: UNIMPLEMENTED" in stderr
+    assert "StartRun failed: ALREADY_EXISTS" in stderr
     assert "[trainer]" in stderr and "shutting down" in stderr
 
 

@@ -29,9 +29,8 @@ pytestmark = pytest.mark.usefixtures("tiny_model_dir")
 TOKEN_ENV = "TURNRL_TEST_SERVE_TOKEN"
 TOKEN = "serve-test-token"
 GRACE_SECONDS = 3.0
-# One unary RPC of each service, called to show that auth guards it; services whose issue has
-# not landed yet answer it honestly with UNIMPLEMENTED.
-IMPLEMENTED = {"tool", "reward", "rollout"}
+# One unary RPC of each service, called to show that auth guards it. The trainer's asks for a
+# run that does not exist, which an authenticated caller learns with NOT_FOUND.
 UNARY_PROBES = {
     "tool": lambda ch: tool_pb2_grpc.ToolServiceStub(ch).ListTools(tool_pb2.ListToolsRequest()),
     "reward": lambda ch: reward_pb2_grpc.RewardServiceStub(ch).ListScorers(
@@ -76,13 +75,12 @@ async def test_serve_health_reflection_auth_and_sigterm(service):
 
         async with rpc.open_channel(config, token=TOKEN) as channel:
             assert full_name(service) in await rpc.list_services(channel, timeout_seconds=10)
-            if service in IMPLEMENTED:
-                await UNARY_PROBES[service](channel)
-            else:
+            if service == "trainer":
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await UNARY_PROBES[service](channel)
-                assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-                assert "not implemented yet" in info.value.details()
+                assert info.value.code() == grpc.StatusCode.NOT_FOUND
+            else:
+                await UNARY_PROBES[service](channel)
 
         served.process.send_signal(signal.SIGTERM)
         async with asyncio.timeout(GRACE_SECONDS + 5):

@@ -1,20 +1,52 @@
-"""gRPC skin of the trainer service.
+"""gRPC skin of the trainer service: proto -> TrainerService -> proto.
 
-Every TrainerService RPC answers UNIMPLEMENTED until the trainer service issue lands: the generated
-base servicer does that, so no caller ever receives a made-up answer. Health and reflection
-are real.
+Errors are raised as `turnrl.errors` exceptions and mapped to status codes by `turnrl.rpc`.
 """
 
 from trainer_svc.config import TrainerConfig
+from trainer_svc.service import TrainerService
 from turnrl import rpc
 from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
 
 
+class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
+    """Implements turnrl.v1.TrainerService over a TrainerService."""
+
+    def __init__(self, service: TrainerService) -> None:
+        self._service = service
+
+    async def StartRun(self, request, context):
+        record = await self._service.start_run(
+            request.config_yaml, request.run_name, request.resume
+        )
+        return trainer_pb2.StartRunResponse(run=record.to_proto())
+
+    async def GetRun(self, request, context):
+        return trainer_pb2.GetRunResponse(run=self._service.get_run(request.run_name).to_proto())
+
+    async def StreamProgress(self, request, context):
+        async for event in self._service.stream_progress(request.run_name):
+            yield event
+
+    async def StopRun(self, request, context):
+        record = await self._service.stop_run(request.run_name, request.save_checkpoint)
+        return trainer_pb2.StopRunResponse(run=record.to_proto())
+
+    async def SaveCheckpoint(self, request, context):
+        folder, step = await self._service.save_checkpoint(request.run_name)
+        return trainer_pb2.SaveCheckpointResponse(checkpoint_dir=str(folder), step=step)
+
+
 async def serve(config: TrainerConfig) -> None:
-    """Serves the trainer service until SIGTERM or SIGINT."""
-    servicer = trainer_pb2_grpc.TrainerServiceServicer()
-    await rpc.serve(
-        config.server,
-        trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"],
-        lambda server: trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server),
-    )
+    """Serves the trainer service until SIGTERM or SIGINT; a running run stops after its step."""
+    service = TrainerService()
+    try:
+        await rpc.serve(
+            config.server,
+            trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"],
+            lambda server: trainer_pb2_grpc.add_TrainerServiceServicer_to_server(
+                TrainerServicer(service), server
+            ),
+        )
+    finally:
+        await service.close()

@@ -9,6 +9,7 @@ log lines) and stops the others; on Ctrl-C or SIGTERM it stops them all, trainer
 import asyncio
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -21,6 +22,13 @@ from pathlib import Path
 import grpc
 import yaml
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from turnrl import rpc
@@ -95,17 +103,18 @@ async def up(config_path: Path | None, overrides: Sequence[str], check: bool) ->
 
 
 async def run(config_path: Path, overrides: Sequence[str], resume: bool) -> int:
-    """`turnrl run`: start the services, submit the run to the trainer service (StartRun)."""
+    """`turnrl run`: start the services, submit the run (StartRun), follow it (StreamProgress)
+    to its end; Ctrl-C stops it after the current step (StopRun, with a checkpoint)."""
     project = load_project_config(config_path, overrides)
     console = Console(stderr=True)
     stop_requested = _stop_on_signals()
     try:
         async with local_services(project, config_path, overrides, stop_requested) as services:
-            trainer = next(s for s in services if s.name == "trainer")
-            async with rpc.open_channel(trainer.client_config()) as channel:
+            by_name = {service.name: service for service in services}
+            async with rpc.open_channel(by_name["trainer"].client_config()) as channel:
                 stub = trainer_pb2_grpc.TrainerServiceStub(channel)
                 request = trainer_pb2.StartRunRequest(
-                    config_yaml=yaml.safe_dump(project.model_dump(mode="json")), resume=resume
+                    config_yaml=_run_config_yaml(project, by_name), resume=resume
                 )
                 try:
                     reply = await stub.StartRun(request, timeout=60.0)
@@ -115,14 +124,92 @@ async def run(config_path: Path, overrides: Sequence[str], resume: bool) -> int:
                         highlight=False,
                     )
                     return 1
-            console.print(f"run {reply.run.name!r} started in {reply.run.output_dir}")
-            return 0
+                console.print(f"run {reply.run.name!r} started in {reply.run.output_dir}")
+                return await follow_run(stub, reply.run, stop_requested, console)
     except ServiceDiedError as e:
         console.print(f"[red]turnrl run: {e}[/red]", highlight=False)
         return 1
     except StartupInterruptedError:
         console.print("interrupted during start-up; stopped all services")
         return 0
+
+
+def _run_config_yaml(project: ProjectConfig, services: dict[str, "ServiceProcess"]) -> str:
+    """The config for StartRun, pointing the trainer at the services this launcher started."""
+    data = project.model_dump(mode="json")
+    data["trainer"]["rollout_service"]["address"] = services["rollout"].address
+    data["trainer"]["tool_service"]["address"] = services["tool"].address
+    return yaml.safe_dump(data)
+
+
+async def follow_run(
+    stub: trainer_pb2_grpc.TrainerServiceStub,
+    run: trainer_pb2.Run,
+    stop_requested: asyncio.Event,
+    console: Console,
+) -> int:
+    """Shows a run's progress until it ends; 0 when it succeeded or was stopped, 1 when it failed."""
+    stopper = asyncio.create_task(_stop_run_on_request(stub, run.name, stop_requested, console))
+    State = trainer_pb2.Run.State
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[status]}"),
+        console=console,
+    ) as progress:
+        bar = progress.add_task(run.name, total=run.total_steps, status="starting")
+        request = trainer_pb2.StreamProgressRequest(run_name=run.name)
+        async for event in stub.StreamProgress(request):
+            progress.update(bar, completed=event.step, status=_status_line(event))
+            if event.stage in ("eval", "setup", "state") and event.message:
+                progress.console.print(f"step {event.step}: {event.stage}: {event.message}")
+    stopper.cancel()
+    final = (await stub.GetRun(trainer_pb2.GetRunRequest(run_name=run.name), timeout=30)).run
+    if final.state == State.STATE_FAILED:
+        console.print(f"[red]turnrl run: run failed: {final.error_message}[/red]", highlight=False)
+        return 1
+    console.print(_summary_table(Path(final.output_dir)))
+    return 0
+
+
+def _status_line(event: trainer_pb2.StreamProgressResponse) -> str:
+    shown = {
+        "rollout/reward_mean": "reward",
+        "eval/accuracy": "eval acc",
+        "train/grad_norm": "grad",
+        "mismatch/mean_abs_diff": "mismatch",
+    }
+    return (
+        "  ".join(
+            f"{label} {event.metrics[name]:.3f}"
+            for name, label in shown.items()
+            if name in event.metrics
+        )
+        or event.stage
+    )
+
+
+async def _stop_run_on_request(
+    stub: trainer_pb2_grpc.TrainerServiceStub,
+    run_name: str,
+    stop_requested: asyncio.Event,
+    console: Console,
+) -> None:
+    await stop_requested.wait()
+    console.print("stopping the run after its current step (with a checkpoint)")
+    await stub.StopRun(trainer_pb2.StopRunRequest(run_name=run_name, save_checkpoint=True))
+
+
+def _summary_table(run_dir: Path) -> Table:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    table = Table(title=f"run summary ({run_dir / 'summary.json'})")
+    table.add_column("metric")
+    table.add_column("value")
+    for name, value in summary.items():
+        table.add_row(name, f"{value:.3f}" if isinstance(value, float) else str(value))
+    return table
 
 
 @contextlib.asynccontextmanager
@@ -151,19 +238,39 @@ async def local_services(
         await asyncio.to_thread(build_tiny_model)
     services: list[ServiceProcess] = []
     try:
-        for name in SERVICE_NAMES:
-            services.append(await _spawn(name, servers[name], config_path, overrides))
-        ready = asyncio.gather(*(_wait_ready(service) for service in services))
-        interrupted = asyncio.ensure_future(stop_requested.wait())
-        await asyncio.wait([ready, interrupted], return_when=asyncio.FIRST_COMPLETED)
-        interrupted.cancel()
-        if not ready.done():
-            ready.cancel()
-            raise StartupInterruptedError()
-        ready.result()  # raises the first ServiceDiedError
+        # Tool and reward first: the rollout service is told where they listen, which for a
+        # port of 0 is known only once they serve. The trainer learns the rollout's address
+        # from StartRun.
+        for stage in (("tool", "reward"), ("rollout", "trainer")):
+            started = [
+                await _spawn(
+                    name, servers[name], config_path, [*overrides, *_peer_addresses(name, services)]
+                )
+                for name in stage
+            ]
+            services += started
+            ready = asyncio.gather(*(_wait_ready(service) for service in started))
+            interrupted = asyncio.ensure_future(stop_requested.wait())
+            await asyncio.wait([ready, interrupted], return_when=asyncio.FIRST_COMPLETED)
+            interrupted.cancel()
+            if not ready.done():
+                ready.cancel()
+                raise StartupInterruptedError()
+            ready.result()  # raises the first ServiceDiedError
         yield services
     finally:
         await _stop_all(services)
+
+
+def _peer_addresses(name: str, started: list[ServiceProcess]) -> list[str]:
+    """Overrides pointing service `name` at the services already started."""
+    if name != "rollout":
+        return []
+    address = {service.name: service.address for service in started}
+    return [
+        f"rollout.tool_service.address={address['tool']}",
+        f"rollout.reward_service.address={address['reward']}",
+    ]
 
 
 async def _spawn(

@@ -343,7 +343,10 @@ class SamplingParams(_message.Message):
     min_p: _builtins.float
     """Minimum probability relative to the most likely token, in [0, 1]. Default 0 (off)."""
     seed: _builtins.int
-    """Random seed for reproducible sampling. Unset: nondeterministic."""
+    """Random seed for reproducible sampling: each trajectory and turn of a Generate
+    call samples from its own seed derived from this one and its trajectory id and
+    turn, so the `n` samples of a prompt differ. Unset: nondeterministic.
+    """
     repetition_penalty: _builtins.float
     """Penalty on tokens already present, > 0; 1.0 (default) means none."""
     @_builtins.property

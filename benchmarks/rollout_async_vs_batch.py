@@ -1,0 +1,487 @@
+"""Request-level vs batch-level multi-turn rollout, and the hf engine against `model.generate`.
+
+Both rollouts run the same calculator word problems through a RolloutService on the same hf
+engine (the tiny calculator model, greedy, so both produce the same tokens), calling the real
+tool service on loopback. Its calculator first waits a heavy-tailed time: lognormal, median
+50 ms, p99 1 s, the same wait for the same (prompt, call) in both modes.
+
+(a) batch level, what verl's original rollout did: every trajectory generates its turn, then
+    all the batch's tool calls run, then the next turn. It is the same RolloutService with a
+    barrier before and after every generate call, so a turn starts when the batch's slowest
+    tool call has answered and tool calls start when the batch's longest turn has ended.
+(b) request level: RolloutService as it is, every trajectory its own task.
+
+The ideal bound is max(engine busy, longest trajectory): engine busy is the time (b) had at
+least one generate call in flight; the longest trajectory is the slowest (by its tool waits)
+of the batch, rerun alone (timed inside (b) it would span all of (b), as every trajectory
+starts at once). Efficiency is that bound over the wall time of (b); the tool-wait ceiling is
+the speedup an infinitely fast engine would give: the sum over rounds of each round's slowest
+wait, over the largest sum of one trajectory's waits. Then the hf engine's tokens/s is
+compared with `model.generate` on one batch of prompts, every row decoding `--decode-tokens`
+tokens (EOS is switched off for both).
+
+    .venv/bin/python benchmarks/rollout_async_vs_batch.py [--prompts 64] [--draws 5]  # about 1 min
+
+The last line printed is one JSON object with the headline figures.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from pydantic import Field
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rollout_svc.agent_loop import AgentLoop, PromptSpec, RolloutLimits
+from rollout_svc.config import RolloutConfig
+from rollout_svc.engines.base import GenerateOutput, SamplingParams
+from rollout_svc.engines.hf import HfEngine, HfEngineOptions
+from rollout_svc.parsers import PARSERS
+from rollout_svc.service import RolloutService
+from tool_svc.config import ToolConfig, ToolLimits
+from tool_svc.server import ToolServicer
+from tool_svc.service import ToolService
+from tool_svc.tools.base import ToolResult
+from tool_svc.tools.calculator import CalculatorOptions, CalculatorTool
+from turnrl import rpc
+from turnrl.calculator_data import TOOLS, generate_problems
+from turnrl.chat_tokens import ConversationTokens
+from turnrl.config import ClientConfig, ServerConfig
+from turnrl.tiny_model import build_tiny_model
+from turnrl.trajectory import Trajectory
+from turnrl.v1 import tool_pb2, tool_pb2_grpc
+
+TOOL_NAME = "calculator"
+MEDIAN_TOOL_SECONDS = 0.05
+P99_TOOL_SECONDS = 1.0
+# The p99 of a lognormal is its median times exp(2.326 * sigma).
+TOOL_SIGMA = math.log(P99_TOOL_SECONDS / MEDIAN_TOOL_SECONDS) / 2.326
+
+
+class SlowCalculatorOptions(CalculatorOptions):
+    """The calculator's bounds, and the lognormal wait before each answer."""
+
+    median_seconds: float = Field(default=MEDIAN_TOOL_SECONDS, gt=0, description="Median wait.")
+    sigma: float = Field(default=TOOL_SIGMA, ge=0, description="Sigma of the log of the wait.")
+    seed: int = Field(default=0, description="Seeds the waits.")
+
+
+def tool_wait_seconds(options: SlowCalculatorOptions, latency_key: str, call_index: int) -> float:
+    """The wait of a trajectory's `call_index`-th call: fixed by the seed, key and index."""
+    draw = random.Random(f"{options.seed}/{latency_key}/{call_index}").gauss(0.0, 1.0)
+    return options.median_seconds * math.exp(options.sigma * draw)
+
+
+class SlowCalculator(CalculatorTool):
+    """The calculator behind a heavy-tailed wait, as a remote tool would be. A session (one
+    per trajectory, opened with `latency_key`) counts its calls, so the k-th call of a
+    trajectory waits the same in every run."""
+
+    Options = SlowCalculatorOptions
+    requires_session: ClassVar[bool] = True
+
+    async def create(self, **session_kwargs: Any) -> dict[str, Any]:
+        return {"latency_key": session_kwargs["latency_key"], "calls": 0}
+
+    async def execute(self, session: dict[str, Any], args: dict[str, Any]) -> ToolResult:
+        wait = tool_wait_seconds(self.options, session["latency_key"], session["calls"])
+        session["calls"] += 1
+        await asyncio.sleep(wait)
+        return await super().execute(session, args)
+
+
+class ClockedEngine:
+    """The engine, keeping the time it was busy: at least one generate() in flight."""
+
+    def __init__(self, engine: HfEngine) -> None:
+        self._engine = engine
+        self._in_flight = 0
+        self._busy_since = 0.0
+        self.busy_seconds = 0.0
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, request_id: str, session_id: str = ""
+    ) -> GenerateOutput:
+        if not self._in_flight:
+            self._busy_since = time.perf_counter()
+        self._in_flight += 1
+        try:
+            return await self._engine.generate(input_ids, sampling, request_id, session_id)
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self.busy_seconds += time.perf_counter() - self._busy_since
+
+    async def abort(self, request_id: str) -> None:
+        await self._engine.abort(request_id)
+
+    async def end_session(self, session_id: str) -> None:
+        await self._engine.end_session(session_id)
+
+
+class Lockstep:
+    """A barrier for a group that shrinks: wait() returns once every member still in the group
+    has called it; leave() takes a finished member out."""
+
+    def __init__(self, members: int) -> None:
+        self._members = members
+        self._arrived = 0
+        self._released = asyncio.Event()
+
+    async def wait(self) -> None:
+        released = self._released
+        self._arrived += 1
+        self._release_if_all_arrived()
+        await released.wait()
+
+    def leave(self) -> None:
+        self._members -= 1
+        self._release_if_all_arrived()
+
+    def _release_if_all_arrived(self) -> None:
+        if self._arrived and self._arrived == self._members:
+            self._released.set()
+            self._released, self._arrived = asyncio.Event(), 0
+
+
+class BatchLevelEngine(ClockedEngine):
+    """Turns request-level trajectories into a batch-level rollout: a generate() starts when
+    every live trajectory has asked for its turn, and returns when every one has its turn, so
+    the batch's tool calls start together and the next turn waits for the slowest of them.
+    A trajectory leaves the batch when the agent loop ends its engine session."""
+
+    def __init__(self, engine: HfEngine, trajectories: int) -> None:
+        super().__init__(engine)
+        self._lockstep = Lockstep(trajectories)
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, request_id: str, session_id: str = ""
+    ) -> GenerateOutput:
+        await self._lockstep.wait()
+        output = await super().generate(input_ids, sampling, request_id, session_id)
+        await self._lockstep.wait()
+        return output
+
+    async def end_session(self, session_id: str) -> None:
+        self._lockstep.leave()
+        await super().end_session(session_id)
+
+
+@contextlib.asynccontextmanager
+async def slow_tool_service() -> AsyncIterator[tuple[str, SlowCalculatorOptions]]:
+    """The tool service on loopback, serving only the slow calculator, without a concurrency
+    limit (the waits stand for remote work); yields its address and the tool's options."""
+    config = ToolConfig(server=ServerConfig(port=0), tools=[])
+    options = SlowCalculatorOptions()
+    service = ToolService(
+        config,
+        {TOOL_NAME: SlowCalculator(TOOL_NAME, options)},
+        {TOOL_NAME: ToolLimits(max_concurrency=0)},
+    )
+    running = await rpc.start_server(
+        config.server,
+        tool_pb2.DESCRIPTOR.services_by_name["ToolService"],
+        lambda server: tool_pb2_grpc.add_ToolServiceServicer_to_server(
+            ToolServicer(service), server
+        ),
+    )
+    try:
+        yield f"127.0.0.1:{running.port}", options
+    finally:
+        await running.server.stop(None)
+        await service.close()
+
+
+def calculator_prompts(count: int, draw: int) -> list[PromptSpec]:
+    """The first `count` test problems; `draw` picks which tool waits their calls get."""
+    return [
+        PromptSpec(
+            prompt_id=f"p{index}",
+            messages=problem.prompt_messages,
+            tools=TOOLS,
+            tools_kwargs={TOOL_NAME: {"create_kwargs": {"latency_key": f"{draw}/p{index}"}}},
+            data_source="openai/gsm8k",
+        )
+        for index, problem in enumerate(generate_problems(count, split="test"))
+    ]
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    """What both modes share: the engine, tokenizer, tool service, sampling and limits."""
+
+    engine: HfEngine
+    tokenizer: Any
+    tool_stub: tool_pb2_grpc.ToolServiceStub
+    tool_options: SlowCalculatorOptions
+    sampling: SamplingParams
+    limits: RolloutLimits
+
+    def service(self, engine: ClockedEngine, size: int) -> RolloutService:
+        """RolloutService on `engine`; scoring stays off, so it needs no reward service."""
+        loop = AgentLoop(
+            engine=engine,
+            tokenizer=self.tokenizer,
+            chat_template=None,
+            parser=PARSERS["hermes"],
+            tool_stub=self.tool_stub,
+            reward_stub=None,
+            interactions={},
+            tool_call_timeout_seconds=60.0,
+        )
+        config = RolloutConfig(max_concurrent_trajectories=size)
+        return RolloutService(config, engine, loop, channels=[])
+
+    async def run(
+        self, service: RolloutService, prompts: list[PromptSpec]
+    ) -> tuple[float, list[Trajectory]]:
+        """Rolls out every prompt once: (wall seconds, trajectories)."""
+        started = time.perf_counter()
+        generating = service.generate(prompts, 1, self.sampling, self.limits, enable_scoring=False)
+        trajectories = [trajectory async for trajectory in generating]
+        return time.perf_counter() - started, trajectories
+
+    async def compare_modes(self, prompts: list[PromptSpec], alone: int) -> dict[str, Any]:
+        """One draw of tool waits: (a), then (b), then (b)'s slowest trajectories alone."""
+        batch_engine = BatchLevelEngine(self.engine, len(prompts))
+        batch = await self.run(self.service(batch_engine, len(prompts)), prompts)
+        request_engine = ClockedEngine(self.engine)
+        request_service = self.service(request_engine, len(prompts))
+        request = await self.run(request_service, prompts)
+        request_busy_seconds = request_engine.busy_seconds
+        by_id = {prompt.prompt_id: prompt for prompt in prompts}
+        waits = {t.group_id: self._drawn_waits(t, by_id[t.group_id]) for t in request[1]}
+        # Tool waits only: (a) waits for each round's slowest call, (b) for the trajectory
+        # whose waits add up to most. Their ratio caps the speedup of an infinitely fast engine.
+        rounds = max(len(w) for w in waits.values())
+        batch_wait = sum(max(w[k] for w in waits.values() if len(w) > k) for k in range(rounds))
+        request_wait = max(sum(w) for w in waits.values())
+        slowest = sorted(waits, key=lambda prompt_id: sum(waits[prompt_id]), reverse=True)
+        alone_seconds = [
+            (await self.run(request_service, [by_id[prompt_id]]))[0]
+            for prompt_id in slowest[:alone]
+        ]
+        return {
+            "batch_level_seconds": batch[0],
+            "request_level_seconds": request[0],
+            "engine_busy_batch_level_seconds": batch_engine.busy_seconds,
+            "engine_busy_request_level_seconds": request_busy_seconds,
+            "longest_trajectory_alone_seconds": max(alone_seconds),
+            "tool_wait_speedup_ceiling": batch_wait / request_wait,
+            "tool_calls": sum(t.metrics["tool_calls"] for t in request[1]),
+            "model_tokens": sum(t.metrics["model_tokens"] for t in request[1]),
+            "same_tokens": _token_ids(batch[1]) == _token_ids(request[1]),
+        }
+
+    def _drawn_waits(self, trajectory: Trajectory, prompt: PromptSpec) -> list[float]:
+        """The waits the trajectory's tool calls drew, in order: one per round, as the tiny
+        model makes one call per turn."""
+        latency_key = prompt.tools_kwargs[TOOL_NAME]["create_kwargs"]["latency_key"]
+        calls = int(trajectory.metrics["tool_calls"])
+        return [tool_wait_seconds(self.tool_options, latency_key, i) for i in range(calls)]
+
+
+def _token_ids(trajectories: list[Trajectory]) -> dict[str, list[int]]:
+    return {
+        t.trajectory_id: [token for segment in t.segments for token in segment.token_ids]
+        for t in trajectories
+    }
+
+
+async def decode_speed(
+    model_path: str, prompt_ids: list[list[int]], pad_token_id: int, new_tokens: int, repeats: int
+) -> dict[str, float]:
+    """Tokens/s of the hf engine and of `model.generate` on one batch, greedy, every row
+    decoding `new_tokens` tokens, best of `repeats`; and the share of rows that agree."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    # No row may stop early in either, so both decode the same number of tokens.
+    model.config.eos_token_id = model.generation_config.eos_token_id = None
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
+    engine = HfEngine(model, HfEngineOptions(model_path=model_path, max_batch_size=len(prompt_ids)))
+    engine_seconds = math.inf
+    try:
+        await engine.generate(prompt_ids[0], sampling, "warm-up")
+        for repeat in range(repeats):
+            started = time.perf_counter()
+            outputs = await asyncio.gather(
+                *(
+                    engine.generate(ids, sampling, f"{repeat}/{i}")
+                    for i, ids in enumerate(prompt_ids)
+                )
+            )
+            engine_seconds = min(engine_seconds, time.perf_counter() - started)
+    finally:
+        await engine.close()
+    width = max(len(ids) for ids in prompt_ids)
+    input_ids = torch.tensor([[pad_token_id] * (width - len(ids)) + ids for ids in prompt_ids])
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids])
+
+    def generate(max_new_tokens: int) -> torch.Tensor:
+        with torch.no_grad():
+            return model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad_token_id,
+            )[:, width:]
+
+    await asyncio.to_thread(generate, 2)  # warm-up
+    generate_seconds = math.inf
+    for _ in range(repeats):
+        started = time.perf_counter()
+        generated = await asyncio.to_thread(generate, new_tokens)
+        generate_seconds = min(generate_seconds, time.perf_counter() - started)
+    assert all(len(output.output_ids) == new_tokens for output in outputs)
+    assert generated.shape == (len(prompt_ids), new_tokens)
+    tokens = len(prompt_ids) * new_tokens
+    agree = sum(o.output_ids == row.tolist() for o, row in zip(outputs, generated, strict=True))
+    return {
+        "hf_engine_tokens_per_s": tokens / engine_seconds,
+        "model_generate_tokens_per_s": tokens / generate_seconds,
+        "decode_rows_agreeing": agree / len(prompt_ids),
+    }
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompts", type=int, default=64, help="trajectories per rollout")
+    parser.add_argument("--max-turns", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens of one turn")
+    parser.add_argument(
+        "--draws", type=int, default=5, help="tool-wait draws, each run in both modes"
+    )
+    parser.add_argument("--alone", type=int, default=3, help="slowest trajectories rerun alone")
+    parser.add_argument("--decode-prompts", type=int, default=16)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--decode-repeats", type=int, default=5)
+    parser.add_argument("--torch-threads", type=int, default=1)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    # The tiny model runs fastest on one thread, which leaves the other core to the event loop.
+    torch.set_num_threads(args.torch_threads)
+    model_path = str(await asyncio.to_thread(build_tiny_model))
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_path)
+    engine = await HfEngine.create(
+        HfEngineOptions(model_path=model_path, max_batch_size=args.prompts)
+    )
+    draws = []
+    try:
+        async with (
+            slow_tool_service() as (tool_address, tool_options),
+            rpc.open_channel(ClientConfig(address=tool_address)) as channel,
+        ):
+            rollouts = Rollouts(
+                engine=engine,
+                tokenizer=tokenizer,
+                tool_stub=tool_pb2_grpc.ToolServiceStub(channel),
+                tool_options=tool_options,
+                sampling=SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0),
+                limits=RolloutLimits(
+                    max_model_len=2048,
+                    max_response_length=2 * args.max_turns * args.max_new_tokens,
+                    max_new_tokens=args.max_new_tokens,
+                    max_turns=args.max_turns,
+                ),
+            )
+            # Warm-up: the first forward passes and chat-template renders are slow.
+            await rollouts.run(
+                rollouts.service(ClockedEngine(engine), 1), calculator_prompts(1, -1)
+            )
+            for draw in range(args.draws):
+                prompts = calculator_prompts(args.prompts, draw)
+                draws.append(await rollouts.compare_modes(prompts, args.alone))
+    finally:
+        await engine.close()
+    decode_prompts = await asyncio.to_thread(
+        lambda: [
+            ConversationTokens(tokenizer, None, TOOLS).prompt_ids(prompt.messages)
+            for prompt in calculator_prompts(args.decode_prompts, 0)
+        ]
+    )
+    decode = await decode_speed(
+        model_path, decode_prompts, tokenizer.pad_token_id, args.decode_tokens, args.decode_repeats
+    )
+    print_report(args, draws, decode)
+
+
+def print_report(args: argparse.Namespace, draws: list[dict], decode: dict[str, float]) -> None:
+    """A row per draw, then the figures over all draws; the last line is the JSON summary."""
+
+    def bound(draw: dict) -> float:
+        return max(
+            draw["engine_busy_request_level_seconds"], draw["longest_trajectory_alone_seconds"]
+        )
+
+    def mean(name: str) -> float:
+        return sum(draw[name] for draw in draws) / len(draws)
+
+    print(
+        f"{args.prompts} trajectories, max_turns {args.max_turns}; tool waits lognormal, median "
+        f"{MEDIAN_TOOL_SECONDS * 1000:.0f} ms, p99 {P99_TOOL_SECONDS:.1f} s; seconds per rollout"
+    )
+    columns = "(a) (b) speedup busy(a) busy(b) alone bound effic. ceiling"
+    print("draw" + "".join(f"{column:>10}" for column in columns.split()))
+    speedups, efficiencies = [], []
+    for index, draw in enumerate(draws):
+        speedups.append(draw["batch_level_seconds"] / draw["request_level_seconds"])
+        efficiencies.append(bound(draw) / draw["request_level_seconds"])
+        row = (
+            draw["batch_level_seconds"],
+            draw["request_level_seconds"],
+            speedups[-1],
+            draw["engine_busy_batch_level_seconds"],
+            draw["engine_busy_request_level_seconds"],
+            draw["longest_trajectory_alone_seconds"],
+            bound(draw),
+            efficiencies[-1],
+            draw["tool_wait_speedup_ceiling"],
+        )
+        print(f"{index:>4}" + "".join(f"{value:>10.2f}" for value in row))
+    request_seconds = mean("request_level_seconds")
+    figures = {
+        "speedup": mean("batch_level_seconds") / request_seconds,
+        "efficiency_vs_bound": sum(map(bound, draws)) / len(draws) / request_seconds,
+        "batch_level_seconds": mean("batch_level_seconds"),
+        "request_level_seconds": request_seconds,
+        "speedup_range": [min(speedups), max(speedups)],
+        "efficiency_range": [min(efficiencies), max(efficiencies)],
+        "engine_busy_batch_level_seconds": mean("engine_busy_batch_level_seconds"),
+        "engine_busy_request_level_seconds": mean("engine_busy_request_level_seconds"),
+        "longest_trajectory_alone_seconds": mean("longest_trajectory_alone_seconds"),
+        "tool_wait_speedup_ceiling": mean("tool_wait_speedup_ceiling"),
+        "tool_calls_per_rollout": mean("tool_calls"),
+        "model_tokens_per_rollout": mean("model_tokens"),
+        "same_tokens_both_modes": all(draw["same_tokens"] for draw in draws),
+        **decode,
+    }
+    print(
+        f"all draws: speedup {figures['speedup']:.2f}x, efficiency vs bound "
+        f"{figures['efficiency_vs_bound']:.2f}, same tokens in both modes "
+        f"{figures['same_tokens_both_modes']}"
+    )
+    print(
+        f"decode, {args.decode_prompts} rows x {args.decode_tokens} tokens: hf engine "
+        f"{decode['hf_engine_tokens_per_s']:.0f} tokens/s, model.generate "
+        f"{decode['model_generate_tokens_per_s']:.0f} tokens/s"
+    )
+    print(json.dumps({name: _rounded(value) for name, value in figures.items()}))
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_rounded(item) for item in value]
+    return round(value, 4) if isinstance(value, float) else value
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

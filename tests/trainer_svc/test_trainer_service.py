@@ -1,0 +1,234 @@
+"""The trainer service end to end: runs through the four real services (`turnrl up` on loopback
+ports, the tiny calculator model), every TrainerService RPC, and `turnrl run` killed with
+kill -9 and resumed."""
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM
+
+from turnrl import rpc
+from turnrl.config import ClientConfig
+from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
+
+from ..conftest import EXAMPLE_CONFIG, SERVICE_NAMES, spawn_turnrl
+
+State = trainer_pb2.Run.State
+ROW = re.compile(r"(tool|reward|rollout|trainer)\s*│\s*(127\.0\.0\.1:\d+)\s*│\s*(\d+)")
+FREE_PORTS = [f"{name}.server.port=0" for name in SERVICE_NAMES]
+# A run small enough for a test: 2 prompts x 4 samples per step, 8 held-out prompts.
+SMALL_RUN = {
+    "steps": 2,
+    "eval_every": 1,
+    "checkpoint_every": 1,
+    "wandb_mode": "offline",
+    "data": {"generated_train_size": 64, "generated_eval_size": 8},
+    "rollout": {"prompts_per_step": 2, "samples_per_prompt": 4, "max_turns": 3},
+    "optim": {"learning_rate": 0.001},
+}
+
+
+@pytest.fixture(scope="module")
+def services(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
+    """`turnrl up` with the example config on free ports; yields each service's address."""
+    log = (tmp_path_factory.mktemp("up") / "up.log").open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "turnrl", "up", "--config", str(EXAMPLE_CONFIG), *FREE_PORTS],
+        stdout=subprocess.PIPE,
+        stderr=log,  # a file, so the services' logs never fill a pipe nobody reads
+        text=True,
+    )
+    addresses = {}
+    for line in process.stdout:
+        if match := ROW.search(line):
+            addresses[match.group(1)] = match.group(2)
+        if "Ctrl-C stops them" in line:
+            break
+    assert set(addresses) == set(SERVICE_NAMES), Path(log.name).read_text()[-3000:]
+    yield addresses
+    process.send_signal(signal.SIGINT)
+    process.wait(timeout=60)
+    log.close()
+
+
+def run_config(services: dict[str, str], output_dir: Path, **trainer) -> str:
+    """A whole-project config for StartRun, pointing the trainer at `services`."""
+    project = yaml.safe_load(EXAMPLE_CONFIG.read_text())
+    project["trainer"].update(SMALL_RUN)
+    project["trainer"].update(
+        output_dir=str(output_dir),
+        rollout_service={"address": services["rollout"]},
+        tool_service={"address": services["tool"]},
+        **trainer,
+    )
+    return yaml.safe_dump(project)
+
+
+async def follow(stub, run_name: str) -> list[trainer_pb2.StreamProgressResponse]:
+    request = trainer_pb2.StreamProgressRequest(run_name=run_name)
+    return [event async for event in stub.StreamProgress(request, timeout=600)]
+
+
+async def test_a_run_trains_evaluates_pushes_checkpoints_and_exports(services, tmp_path):
+    async with rpc.open_channel(ClientConfig(address=services["trainer"])) as channel:
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+        config = run_config(services, tmp_path, run_name="short")
+        started = await stub.StartRun(trainer_pb2.StartRunRequest(config_yaml=config), timeout=60)
+        assert started.run.name == "short" and started.run.total_steps == 2
+        events = await follow(stub, "short")
+        run = (await stub.GetRun(trainer_pb2.GetRunRequest(run_name="short"), timeout=10)).run
+    assert run.state == State.STATE_SUCCEEDED and run.step == 2, run.error_message
+    stages = [(e.step, e.stage) for e in events]
+    for step in (1, 2):
+        for stage in ("rollout", "train", "push", "checkpoint"):
+            assert (step, stage) in stages
+    assert (0, "eval") in stages and (2, "eval") in stages and stages[-1][1] == "state"
+    train = next(e for e in events if e.stage == "train")
+    for name in ("train/loss", "train/grad_norm", "train/entropy", "mismatch/mean_abs_diff"):
+        assert name in train.metrics
+    # The engine samples from exactly the weights the trainer holds (pushed at start-up).
+    assert train.metrics["mismatch/mean_abs_diff"] < 1e-4
+
+    run_dir = Path(run.output_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 2
+    assert 0.0 <= summary["initial_eval_accuracy"] <= 1.0
+    assert 0.0 <= summary["final_eval_accuracy"] <= 1.0
+    assert summary["wall_seconds"] > 0
+    assert (run_dir / "curves.png").read_bytes().startswith(b"\x89PNG")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "step_000001",
+        "step_000002",
+    ]
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "rollout/reward_mean" in r] == [1, 2]
+    exported = AutoModelForCausalLM.from_pretrained(run_dir / "final_model")
+    state = torch.load(run_dir / "checkpoints" / "step_000002" / "state.pt", weights_only=False)
+    for name, tensor in exported.state_dict().items():
+        torch.testing.assert_close(tensor, state["policy"]["model"][name], rtol=0, atol=0)
+
+
+async def test_stop_and_save_checkpoint_during_a_run(services, tmp_path):
+    async with rpc.open_channel(ClientConfig(address=services["trainer"])) as channel:
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+        config = run_config(services, tmp_path, run_name="long", steps=100, checkpoint_every=0)
+        await stub.StartRun(trainer_pb2.StartRunRequest(config_yaml=config), timeout=60)
+        request = trainer_pb2.StreamProgressRequest(run_name="long")
+        async for event in stub.StreamProgress(request, timeout=600):
+            if event.stage == "train":
+                break
+        saved = await stub.SaveCheckpoint(
+            trainer_pb2.SaveCheckpointRequest(run_name="long"), timeout=300
+        )
+        assert saved.step >= 1 and (Path(saved.checkpoint_dir) / "state.pt").exists()
+        with pytest.raises(grpc.aio.AioRpcError) as info:  # one run at a time
+            await stub.StartRun(
+                trainer_pb2.StartRunRequest(config_yaml=config, run_name="other"), timeout=60
+            )
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        stopped = await stub.StopRun(
+            trainer_pb2.StopRunRequest(run_name="long", save_checkpoint=True), timeout=300
+        )
+        assert stopped.run.state == State.STATE_STOPPED
+        assert 1 <= stopped.run.step < 100
+        assert (tmp_path / "long" / "checkpoints" / f"step_{stopped.run.step:06d}").is_dir()
+        again = await stub.StopRun(trainer_pb2.StopRunRequest(run_name="long"), timeout=10)
+        assert again.run.state == State.STATE_STOPPED
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(run_name="long"))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "code", "message"),
+    [
+        ({"run_name": "nope"}, grpc.StatusCode.NOT_FOUND, "no run 'nope'"),
+        ({"config_yaml": "trainer: {stpes: 1}"}, grpc.StatusCode.INVALID_ARGUMENT, "stpes"),
+        ({"config_yaml": "[1, 2"}, grpc.StatusCode.INVALID_ARGUMENT, "not YAML"),
+    ],
+)
+async def test_bad_requests(services, request_fields, code, message):
+    async with rpc.open_channel(ClientConfig(address=services["trainer"])) as channel:
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            if "config_yaml" in request_fields:
+                await stub.StartRun(trainer_pb2.StartRunRequest(**request_fields), timeout=30)
+            else:
+                await stub.GetRun(trainer_pb2.GetRunRequest(**request_fields), timeout=30)
+    assert info.value.code() == code
+    assert message in info.value.details()
+
+
+async def test_an_existing_run_is_not_overwritten(services, tmp_path):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "metrics.jsonl").write_text("")
+    async with rpc.open_channel(ClientConfig(address=services["trainer"])) as channel:
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+        config = run_config(services, tmp_path, run_name="taken")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.StartRun(trainer_pb2.StartRunRequest(config_yaml=config), timeout=30)
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "--resume" in info.value.details()
+
+
+def kill_tree(pid: int) -> None:
+    """kill -9 a process and all its descendants at once, as a crash would."""
+    pids = [pid]
+    for parent in pids:  # grows as children are found
+        for task in Path(f"/proc/{parent}/task").iterdir():
+            pids += [int(p) for p in (task / "children").read_text().split()]
+    for victim in pids:
+        os.kill(victim, signal.SIGKILL)
+
+
+def step_record(run_dir: Path, step: int) -> dict:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["step"] == step and "train/loss" in r][-1]
+
+
+async def test_turnrl_run_killed_and_resumed_reproduces_the_next_step(tiny_model_dir, tmp_path):
+    overrides = [
+        *FREE_PORTS,
+        f"trainer.output_dir={tmp_path}",
+        "trainer.steps=3",
+        "trainer.eval_every=0",
+        "trainer.checkpoint_every=1",
+        "trainer.wandb_mode=disabled",
+        "trainer.data.generated_eval_size=4",
+        "trainer.rollout.prompts_per_step=2",
+        "trainer.rollout.samples_per_prompt=4",
+        "trainer.optim.learning_rate=0.001",
+    ]
+    run = ["run", "--config", str(EXAMPLE_CONFIG), *overrides]
+    reference = await spawn_turnrl(*run, "trainer.run_name=whole")
+    _, stderr = await reference.communicate()
+    assert reference.returncode == 0, stderr.decode()[-3000:]
+
+    crashed = await spawn_turnrl(*run, "trainer.run_name=crashed")
+    checkpoint = tmp_path / "crashed" / "checkpoints" / "step_000002"
+    async with asyncio.timeout(300):
+        while not checkpoint.is_dir():  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    kill_tree(crashed.pid)
+    await crashed.wait()
+    resumed = await spawn_turnrl(*run, "trainer.run_name=crashed", "--resume")
+    _, stderr = await resumed.communicate()
+    assert resumed.returncode == 0, stderr.decode()[-3000:]
+
+    summary = json.loads((tmp_path / "crashed" / "summary.json").read_text())
+    assert summary["steps"] == 3
+    expected, got = step_record(tmp_path / "whole", 3), step_record(tmp_path / "crashed", 3)
+    assert got["rollout/reward_mean"] == expected["rollout/reward_mean"]
+    assert got["rollout/response_length"] == expected["rollout/response_length"]
+    assert got["train/loss"] == pytest.approx(expected["train/loss"], abs=1e-5)
+    assert got["train/grad_norm"] == pytest.approx(expected["train/grad_norm"], rel=1e-4)

@@ -1,0 +1,164 @@
+"""The trainer's weight push into real rollout servers (hf engine, tiny model) on loopback: a
+gloo broadcast and the gRPC fallback, checked by the engine's logprobs after the push."""
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.rollout_svc.test_rollout_service import generate, rollout_server, teacher_forced_logprobs
+from trainer_svc.weight_push import WeightPusher
+from turnrl import rpc
+from turnrl.config import ClientConfig
+from turnrl.errors import FailedPreconditionError, InvalidArgumentError
+from turnrl.messages import dict_to_message
+from turnrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+DEAD_ADDRESS = "127.0.0.1:1"  # nothing listens; weight pushes call no tool or reward service
+MODES = ["broadcast", "grpc"]
+
+
+@contextlib.asynccontextmanager
+async def replicas(model_dir, count: int) -> AsyncIterator[list]:
+    async with contextlib.AsyncExitStack() as stack:
+        yield [
+            await stack.enter_async_context(rollout_server(model_dir, DEAD_ADDRESS, DEAD_ADDRESS))
+            for _ in range(count)
+        ]
+
+
+@contextlib.asynccontextmanager
+async def connected(stubs, mode: str) -> AsyncIterator[WeightPusher]:
+    pusher = await WeightPusher.connect(stubs, mode=mode, timeout_seconds=30)
+    try:
+        assert pusher.mode == mode
+        yield pusher
+    finally:
+        pusher.close()
+
+
+def load(model_dir, noise_seed: int | None = None):
+    """The model in fp32; with `noise_seed`, every weight moved by seeded noise."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if noise_seed is not None:
+        generator = torch.Generator().manual_seed(noise_seed)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.01)
+    return model
+
+
+async def sample(stub) -> list[common_pb2.Trajectory]:
+    message = dict_to_message({"role": "user", "content": "What is 12 * 7?"})
+    request = rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.RolloutPrompt(prompt_id="p", messages=[message])],
+        n=4,
+        sampling=common_pb2.SamplingParams(temperature=1.0, seed=3),
+        limits=common_pb2.LengthLimits(max_new_tokens=24),
+        max_turns=1,
+    )
+    return await generate(stub, request)
+
+
+def assert_sampled_by(trajectories, model, other_model, policy_version: int) -> None:
+    """The engine's logprobs are `model`'s (fp32, 1e-4), and `other_model`'s are 100 times
+    further off."""
+    engine, expected, other = [], [], []
+    for trajectory in trajectories:
+        segments = [s for s in trajectory.segments if s.source == common_pb2.SEGMENT_SOURCE_MODEL]
+        assert segments and {s.policy_version for s in segments} == {policy_version}
+        token_ids = [t for s in trajectory.segments for t in s.token_ids]
+        positions = [i - 1 for i, mask in enumerate(trajectory.loss_mask) if mask]
+        engine += [lp for s in segments for lp in s.logprobs]
+        expected += teacher_forced_logprobs(model, token_ids)[positions].tolist()
+        other += teacher_forced_logprobs(other_model, token_ids)[positions].tolist()
+    engine, expected, other = map(torch.tensor, (engine, expected, other))
+    assert len(engine) >= 8, [t.segments for t in trajectories]
+    assert torch.allclose(engine, expected, atol=1e-4)
+    assert (engine - other).abs().max() > 1e-2
+
+
+async def assert_resumed(stubs) -> None:
+    for stub in stubs:
+        stats = await stub.GetStats(rollout_pb2.GetStatsRequest(), timeout=10)
+        assert not stats.paused
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_push_is_exact_in_fp32(tiny_model_dir, mode):
+    original, perturbed = load(tiny_model_dir), load(tiny_model_dir, noise_seed=1)
+    async with replicas(tiny_model_dir, 1) as stubs, connected(stubs, mode) as pusher:
+        result = await pusher.push(perturbed.state_dict(), 1, bucket_size_bytes=64 * 1024)
+        assert result.policy_versions == [1] and result.mode == mode
+        assert result.total_bytes == sum(t.nbytes for t in perturbed.state_dict().values())
+        assert_sampled_by(await sample(stubs[0]), perturbed, original, policy_version=1)
+        await assert_resumed(stubs)
+
+
+async def test_a_bf16_push_halves_the_bytes_and_loads_the_rounded_weights(tiny_model_dir):
+    original, perturbed = load(tiny_model_dir), load(tiny_model_dir, noise_seed=1)
+    async with replicas(tiny_model_dir, 1) as stubs, connected(stubs, "broadcast") as pusher:
+        result = await pusher.push(perturbed.state_dict(), 1, dtype=torch.bfloat16)
+        assert result.total_bytes == sum(t.nbytes for t in perturbed.state_dict().values()) // 2
+        rounded = load(tiny_model_dir)
+        rounded.load_state_dict(
+            {k: v.bfloat16().float() for k, v in perturbed.state_dict().items()}
+        )
+        assert_sampled_by(await sample(stubs[0]), rounded, original, policy_version=1)
+
+
+async def test_two_replicas_receive_one_broadcast_and_the_group_is_reused(tiny_model_dir):
+    original, perturbed = load(tiny_model_dir), load(tiny_model_dir, noise_seed=2)
+    async with replicas(tiny_model_dir, 2) as stubs, connected(stubs, "broadcast") as pusher:
+        result = await pusher.push(list(perturbed.state_dict().items()), 1)
+        assert result.policy_versions == [1, 1]
+        for stub in stubs:
+            assert_sampled_by(await sample(stub), perturbed, original, policy_version=1)
+        result = await pusher.push(original.state_dict(), 2, bucket_size_bytes=1)
+        assert result.policy_versions == [2, 2] and result.mode == "broadcast"
+        for stub in stubs:
+            assert_sampled_by(await sample(stub), original, perturbed, policy_version=2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_stale_version_is_refused_before_sending_and_replicas_resume(tiny_model_dir, mode):
+    async with replicas(tiny_model_dir, 1) as stubs, connected(stubs, mode) as pusher:
+        with pytest.raises(FailedPreconditionError, match="policy_version 0 is not newer than"):
+            await pusher.push(load(tiny_model_dir).state_dict(), 0)
+        await assert_resumed(stubs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_replica_error_names_the_replica_and_a_later_push_works(tiny_model_dir, mode):
+    model = load(tiny_model_dir, noise_seed=2)
+    async with replicas(tiny_model_dir, 1) as stubs, connected(stubs, mode) as pusher:
+        bad = {**model.state_dict(), "nope.weight": torch.zeros(3)}
+        with pytest.raises(
+            InvalidArgumentError,
+            match="rollout replica 0: INVALID_ARGUMENT: unknown parameter 'nope",
+        ):
+            await pusher.push(bad, 1)
+        await assert_resumed(stubs)
+        assert (await pusher.push(model.state_dict(), 1)).policy_versions == [1]
+        assert pusher.mode == mode  # the broadcast ran to its end: the group is still in step
+
+
+async def test_falls_back_to_grpc_when_no_group_forms(caplog):
+    async with rpc.open_channel(ClientConfig(address=DEAD_ADDRESS)) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        with caplog.at_level(logging.WARNING):
+            pusher = await WeightPusher.connect([stub], timeout_seconds=1)
+    assert pusher.mode == "grpc"
+    assert "rollout replica 0: UNAVAILABLE" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [({"backend": "mpi"}, "backend 'mpi'"), ({"mode": "udp"}, "mode 'udp'"), ({}, "no rollout")],
+)
+async def test_bad_settings_are_invalid(settings, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        await WeightPusher.connect([] if not settings else [object()], **settings)

@@ -1,0 +1,336 @@
+"""The sync controller loop of one run: roll out, score, train, push weights, evaluate,
+checkpoint; repeat.
+
+    setup     model, data, tool schemas, weight-sync group; resume from the last checkpoint;
+              push the starting weights so the engine serves exactly the trainer's policy
+    step      rollout (Generate n samples per prompt, scored) -> [dynamic sampling refills]
+              -> train (recompute logprobs, advantages, PPO epochs) -> push -> [eval]
+              -> [checkpoint]
+
+Model compute runs in a worker thread, so the trainer service keeps answering RPCs (GetRun,
+StopRun) during a step. Every stage reports a ProgressEvent through `emit`.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from transformers import AutoTokenizer
+
+from trainer_svc.checkpoint import load_latest_checkpoint, save_checkpoint
+from trainer_svc.config import TrainerConfig
+from trainer_svc.data import PromptRecord, PromptSampler, load_datasets
+from trainer_svc.fsdp import FsdpPolicy
+from trainer_svc.report import RunReport
+from trainer_svc.rl_step import (
+    RolloutBatch,
+    keep_groups_with_signal,
+    make_loss_fn,
+    mini_batches,
+    prepare_update,
+    rollout_batch,
+    rollout_metrics,
+    trainable,
+)
+from trainer_svc.weight_push import WeightPusher
+from turnrl import rpc
+from turnrl.errors import ConfigError
+from turnrl.tiny_model import build_tiny_model
+from turnrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, tool_pb2, tool_pb2_grpc
+
+logger = logging.getLogger(__name__)
+MIB = 1024 * 1024
+FINAL_MODEL = "final_model"  # the last policy in Hugging Face format, beside summary.json
+
+
+@dataclass
+class ProgressEvent:
+    """One finished stage of a run."""
+
+    step: int
+    stage: str  # setup, rollout, train, push, eval, checkpoint, done
+    metrics: dict[str, float] = field(default_factory=dict)
+    message: str = ""
+
+
+@dataclass
+class CheckpointRequest:
+    """A SaveCheckpoint call waiting for the end of the current step."""
+
+    done: asyncio.Future  # resolves to (checkpoint folder, step)
+
+
+class Controller:
+    """Runs one run to its end, or until `request_stop`."""
+
+    def __init__(
+        self, config: TrainerConfig, run_dir: Path, emit: Callable[[ProgressEvent], None]
+    ) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.emit = emit
+        self.step = 0
+        self.stop_requested = False
+        self.checkpoint_requests: list[CheckpointRequest] = []
+        self._policy_version = 0
+        self._checkpointed_step = -1
+
+    def request_stop(self) -> None:
+        self.stop_requested = True
+
+    async def run(self, resume: bool) -> dict[str, Any]:
+        """Trains to `config.steps` or a stop; returns the summary written to summary.json."""
+        started = time.monotonic()
+        config = self.config
+        model_path = config.model_path or str(await asyncio.to_thread(build_tiny_model))
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_path)
+        self.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
+        optim = config.optim
+        if optim.lr_schedule == "cosine" and optim.total_steps == 0:
+            total = config.steps * config.algorithm.ppo_epochs * config.algorithm.mini_batches
+            optim = optim.model_copy(update={"total_steps": total})
+        self.policy = await asyncio.to_thread(FsdpPolicy, model_path, optim)
+        self.reference = (
+            await asyncio.to_thread(FsdpPolicy, model_path, optim)
+            if config.algorithm.kl_coef > 0
+            else None
+        )
+        train, self.held_out = load_datasets(config.data, config.seed)
+        self.sampler = PromptSampler(train, config.seed, config.data.shuffle)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        state = load_latest_checkpoint(self.run_dir) if resume else None
+        if state is not None:
+            await asyncio.to_thread(self.policy.load_checkpoint_state, state["policy"])
+            self.sampler.position = state["data_position"]
+            self.generator.set_state(state["generator"])
+            self.step = self._checkpointed_step = state["step"]
+        self.report = RunReport(
+            self.run_dir,
+            self.run_dir.name,
+            config.wandb_mode,
+            config.model_dump(mode="json"),
+            resumed_step=self.step if state is not None else None,
+        )
+        async with (
+            rpc.open_channel(config.rollout_service) as rollout_channel,
+            rpc.open_channel(config.tool_service) as tool_channel,
+        ):
+            self.rollout = rollout_pb2_grpc.RolloutServiceStub(rollout_channel)
+            self.tools = await self._tool_schemas(tool_pb2_grpc.ToolServiceStub(tool_channel))
+            self.pusher = await WeightPusher.connect(
+                [self.rollout],
+                backend=config.weight_sync.backend,
+                master_address=config.weight_sync.master_address,
+                group_name=f"turnrl-{self.run_dir.name}",
+                timeout_seconds=config.weight_sync.timeout_seconds,
+                mode=config.weight_sync.mode,
+            )
+            try:
+                await self._push()
+                self.emit(ProgressEvent(self.step, "setup", message=f"model {model_path}"))
+                if self.step == 0:
+                    await self._evaluate()
+                while self.step < config.steps and not self.stop_requested:
+                    await self._train_step()
+                if self.report.last("eval/step") != self.step:
+                    await self._evaluate()
+            finally:
+                self.pusher.close()
+        if self._checkpointed_step != self.step:
+            await self._checkpoint()
+        export = self.run_dir / FINAL_MODEL
+        await asyncio.to_thread(self.policy.save_pretrained, export, model_path)
+        summary = self.report.finish(self._summary(time.monotonic() - started))
+        self.emit(ProgressEvent(self.step, "done", message=f"summary {self.run_dir}/summary.json"))
+        return summary
+
+    async def _train_step(self) -> None:
+        self.step += 1
+        timings: dict[str, float] = {}
+        started = time.monotonic()
+        trajectories = await self._rollout()
+        timings["time/rollout"] = time.monotonic() - started
+        rollouts = rollout_batch(trajectories, self.pad_token_id)
+        metrics = {f"rollout/{k}": v for k, v in rollout_metrics(trajectories).items()}
+        generated = int(rollouts.batch.loss_mask.sum())
+        metrics["rollout/tokens_per_s"] = generated / max(timings["time/rollout"], 1e-9)
+        self.emit(ProgressEvent(self.step, "rollout", metrics))
+
+        started = time.monotonic()
+        metrics.update(await asyncio.to_thread(self._update, rollouts))
+        timings["time/train"] = time.monotonic() - started
+        tokens = int(rollouts.batch.attention_mask.sum()) * self.config.algorithm.ppo_epochs
+        metrics["train/tokens_per_s"] = tokens / timings["time/train"]
+        self.emit(ProgressEvent(self.step, "train", metrics))
+
+        started = time.monotonic()
+        await self._push()
+        timings["time/push"] = time.monotonic() - started
+        self.emit(ProgressEvent(self.step, "push", {"time/push": timings["time/push"]}))
+        self.report.log(self.step, {**metrics, **timings})
+
+        every = self.config.eval_every
+        if every and self.step % every == 0 and self.step < self.config.steps:
+            await self._evaluate()
+        every = self.config.checkpoint_every
+        if (every and self.step % every == 0) or self.checkpoint_requests:
+            await self._checkpoint()
+
+    async def _rollout(self) -> list[common_pb2.Trajectory]:
+        """One batch of scored trajectories; with dynamic sampling, groups that teach nothing
+        are dropped and more prompts rolled out, up to `max_refills` times."""
+        algorithm = self.config.algorithm
+        wanted = self.config.rollout.prompts_per_step * self.config.rollout.samples_per_prompt
+        kept: list[common_pb2.Trajectory] = []
+        for attempt in range(1 + (algorithm.max_refills if algorithm.dynamic_sampling else 0)):
+            records = self.sampler.next_batch(self.config.rollout.prompts_per_step)
+            found = await self._generate(records, f"step{self.step}.{attempt}", training=True)
+            found = [t for t in found if trainable(t)]
+            kept += keep_groups_with_signal(found) if algorithm.dynamic_sampling else found
+            if len(kept) >= wanted:
+                break
+        if not kept:
+            raise RuntimeError(
+                f"step {self.step}: no trajectory to train on (all groups had equal rewards or "
+                "no model tokens); raise algorithm.max_refills or check the rollout service"
+            )
+        return kept[:wanted]
+
+    async def _generate(
+        self, records: list[PromptRecord], tag: str, *, training: bool
+    ) -> list[common_pb2.Trajectory]:
+        request_config = self.config.rollout
+        prompts = [r.to_proto(self.tools) for r in records]
+        for index, prompt in enumerate(prompts):
+            prompt.prompt_id = f"{index}:{prompt.prompt_id}"  # a record may recur in a batch
+        sampling = (
+            common_pb2.SamplingParams(
+                temperature=request_config.temperature,
+                top_p=request_config.top_p,
+                seed=self.config.seed * 1_000_003 + self.step,
+            )
+            if training
+            else common_pb2.SamplingParams(temperature=0.0)
+        )
+        request = rollout_pb2.GenerateRequest(
+            prompts=prompts,
+            n=request_config.samples_per_prompt if training else 1,
+            sampling=sampling,
+            limits=common_pb2.LengthLimits(
+                max_new_tokens=request_config.max_new_tokens,
+                max_response_length=request_config.max_response_length,
+            ),
+            max_turns=request_config.max_turns,
+            enable_scoring=True,
+            request_id=f"{self.run_dir.name}/{tag}",
+        )
+        replies = self.rollout.Generate(request, timeout=request_config.timeout_seconds)
+        return [reply.trajectory async for reply in replies]
+
+    def _update(self, rollouts: RolloutBatch) -> dict[str, float]:
+        """Recomputes logprobs, computes advantages and runs the PPO epochs (worker thread)."""
+        algorithm = self.config.algorithm
+        metrics = prepare_update(rollouts, self.policy, self.reference, algorithm)
+        normalizer = self.config.rollout.max_response_length or rollouts.batch.input_ids.shape[1]
+        loss_fn = make_loss_fn(algorithm, normalizer)
+        sums: dict[str, float] = {}
+        updates = 0
+        for _ in range(algorithm.ppo_epochs):
+            for rows in mini_batches(
+                rollouts.batch.input_ids.shape[0], algorithm.mini_batches, self.generator
+            ):
+                mini = rollouts.batch.select(rows, rollouts.batch.input_ids.device)
+                result = self.policy.train_step(mini, loss_fn, with_entropy=True)
+                for name, value in result.items():
+                    sums[name] = sums.get(name, 0.0) + value
+                updates += 1
+        metrics.update({f"train/{name}": value / updates for name, value in sums.items()})
+        return metrics
+
+    async def _push(self) -> None:
+        """Sends the policy's weights as the next version the engine has not seen."""
+        stats = await self.rollout.GetStats(rollout_pb2.GetStatsRequest(), timeout=30)
+        self._policy_version = max(self._policy_version, stats.policy_version) + 1
+        weights = await asyncio.to_thread(self.policy.full_state_dict)
+        await self.pusher.push(
+            weights,
+            self._policy_version,
+            bucket_size_bytes=self.config.weight_sync.bucket_size_mb * MIB,
+        )
+
+    async def _evaluate(self) -> None:
+        if not self.held_out:
+            return
+        started = time.monotonic()
+        trajectories = await self._generate(self.held_out, f"eval{self.step}", training=False)
+        measured = rollout_metrics(trajectories)
+        metrics = {
+            "eval/accuracy": measured["accuracy"],
+            "eval/pass@1": measured["accuracy"],
+            "eval/reward_mean": measured["reward_mean"],
+            "eval/tool_calls": measured["tool_calls"],
+            "eval/step": float(self.step),
+            "time/eval": time.monotonic() - started,
+        }
+        self.report.log(self.step, metrics)
+        message = f"held-out accuracy {measured['accuracy']:.3f} on {len(trajectories)} prompts"
+        self.emit(ProgressEvent(self.step, "eval", metrics, message))
+
+    async def _checkpoint(self) -> None:
+        state = await asyncio.to_thread(self.policy.state_dict_for_checkpoint)
+        folder = await asyncio.to_thread(
+            save_checkpoint,
+            self.run_dir,
+            self.step,
+            {
+                "policy": state,
+                "data_position": self.sampler.position,
+                "generator": self.generator.get_state(),
+            },
+        )
+        self._checkpointed_step = self.step
+        for request in self.checkpoint_requests:
+            request.done.set_result((folder, self.step))
+        self.checkpoint_requests.clear()
+        self.emit(ProgressEvent(self.step, "checkpoint", message=str(folder)))
+
+    async def _tool_schemas(self, tools: tool_pb2_grpc.ToolServiceStub) -> list:
+        wanted = self.config.rollout.tools
+        if not wanted:
+            return []
+        try:
+            reply = await tools.ListTools(tool_pb2.ListToolsRequest(), timeout=30)
+        except grpc.aio.AioRpcError as e:
+            raise ConfigError(
+                f"trainer.tool_service {self.config.tool_service.address}: ListTools failed: "
+                f"{e.code().name}: {e.details()}"
+            ) from None
+        served = {info.schema.name: info.schema for info in reply.tools}
+        missing = [name for name in wanted if name not in served]
+        if missing:
+            raise ConfigError(
+                f"trainer.rollout.tools names {missing}, which the tool service does not serve; "
+                f"it serves {sorted(served)}"
+            )
+        return [served[name] for name in wanted]
+
+    def _summary(self, wall_seconds: float) -> dict[str, Any]:
+        report = self.report
+        return {
+            "run_name": self.run_dir.name,
+            "steps": self.step,
+            "stopped_early": self.step < self.config.steps,
+            "initial_eval_accuracy": report.first("eval/accuracy"),
+            "final_eval_accuracy": report.last("eval/accuracy"),
+            "initial_train_reward": report.first("rollout/reward_mean"),
+            "final_train_reward": report.last("rollout/reward_mean"),
+            "logprob_mismatch_mean_abs": report.last("mismatch/mean_abs_diff"),
+            "wall_seconds": round(wall_seconds, 1),
+            "final_model": str(self.run_dir / FINAL_MODEL),
+        }

@@ -1,0 +1,207 @@
+"""One RL update from scored trajectories: tensors from the rollout service's tokens, advantages,
+the policy loss for `FsdpPolicy.train_step`, and the step's metrics.
+
+Token ids, loss masks and rollout logprobs come from the trajectories as the engine produced
+them; nothing is re-tokenized. `logprobs[:, t]` is the logprob of token t, the convention of
+both the engine's segments and `FsdpPolicy.logprobs`.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from trainer_svc.advantages import (
+    apply_kl_penalty,
+    compute_advantages,
+    groups_with_signal,
+    sequence_rewards_to_tokens,
+)
+from trainer_svc.config import AlgorithmConfig
+from trainer_svc.fsdp import Batch, FsdpPolicy
+from trainer_svc.losses import (
+    aggregate,
+    kl_estimate,
+    logprob_mismatch,
+    policy_loss,
+    truncated_importance_weights,
+)
+from turnrl.v1 import common_pb2
+
+
+@dataclass
+class RolloutBatch:
+    """Trajectories of one step as padded tensors, with their rewards and groups."""
+
+    batch: Batch  # extras: rollout_logprobs
+    rewards: Tensor  # (B,)
+    group_index: Tensor  # (B,) long
+    trajectories: list[common_pb2.Trajectory]
+
+
+def rollout_batch(trajectories: list[common_pb2.Trajectory], pad_token_id: int) -> RolloutBatch:
+    """Tensors of `trajectories`; each needs at least one model token (`trainable`)."""
+    token_ids, rollout_logprobs = [], []
+    for trajectory in trajectories:
+        ids: list[int] = []
+        logprobs: list[float] = []
+        for segment in trajectory.segments:
+            ids += segment.token_ids
+            is_model = segment.source == common_pb2.SEGMENT_SOURCE_MODEL
+            logprobs += list(segment.logprobs) if is_model else [0.0] * len(segment.token_ids)
+        token_ids.append(ids)
+        rollout_logprobs.append(logprobs)
+    groups = {group: i for i, group in enumerate(dict.fromkeys(t.group_id for t in trajectories))}
+    batch = Batch.from_sequences(
+        token_ids,
+        [list(t.loss_mask) for t in trajectories],
+        {"rollout_logprobs": rollout_logprobs},
+        pad_token_id,
+    )
+    return RolloutBatch(
+        batch=batch,
+        rewards=torch.tensor([t.reward.score for t in trajectories], dtype=torch.float32),
+        group_index=torch.tensor([groups[t.group_id] for t in trajectories]),
+        trajectories=trajectories,
+    )
+
+
+def trainable(trajectory: common_pb2.Trajectory) -> bool:
+    """A trajectory the loss can use: it holds model tokens and was not aborted or failed."""
+    return any(trajectory.loss_mask) and trajectory.finish_reason not in (
+        common_pb2.FINISH_REASON_ABORTED,
+        common_pb2.FINISH_REASON_ERROR,
+    )
+
+
+def keep_groups_with_signal(trajectories: list[common_pb2.Trajectory]) -> list:
+    """DAPO's dynamic sampling: the trajectories of groups whose rewards are not all equal."""
+    if not trajectories:
+        return []
+    groups = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in trajectories))}
+    rewards = torch.tensor([t.reward.score for t in trajectories])
+    index = torch.tensor([groups[t.group_id] for t in trajectories])
+    keep = groups_with_signal(rewards, index)
+    return [t for t, kept in zip(trajectories, keep.tolist(), strict=True) if kept]
+
+
+def prepare_update(
+    rollouts: RolloutBatch,
+    policy: FsdpPolicy,
+    reference: FsdpPolicy | None,
+    algorithm: AlgorithmConfig,
+) -> dict[str, float]:
+    """Adds old_logprobs, ref_logprobs and advantages to the batch's extras; returns the
+    train/inference mismatch metrics of the engine's logprobs against the trainer's."""
+    batch = rollouts.batch
+    old_logprobs, _ = policy.logprobs(batch)
+    batch.extras["old_logprobs"] = old_logprobs
+    token_rewards = sequence_rewards_to_tokens(rollouts.rewards, batch.loss_mask)
+    metrics = {
+        f"mismatch/{name}": value
+        for name, value in logprob_mismatch(
+            batch.extras["rollout_logprobs"], old_logprobs, batch.loss_mask
+        ).items()
+    }
+    if reference is not None:
+        ref_logprobs, _ = reference.logprobs(batch)
+        batch.extras["ref_logprobs"] = ref_logprobs
+        kl = kl_estimate(old_logprobs, ref_logprobs, algorithm.kl_estimator)
+        metrics["kl_to_reference"] = float(aggregate(kl, batch.loss_mask, "token-mean"))
+        if algorithm.kl_in_reward:
+            token_rewards = apply_kl_penalty(
+                token_rewards,
+                old_logprobs,
+                ref_logprobs,
+                batch.loss_mask,
+                coef=algorithm.kl_coef,
+                estimator=algorithm.kl_estimator,
+            )
+    advantages, _ = compute_advantages(
+        algorithm.advantage_estimator,
+        token_rewards=token_rewards,
+        group_index=rollouts.group_index,
+        loss_mask=batch.loss_mask,
+        gamma=algorithm.gamma,
+    )
+    batch.extras["advantages"] = advantages
+    return metrics
+
+
+def make_loss_fn(algorithm: AlgorithmConfig, normalizer: int):
+    """The loss for `FsdpPolicy.train_step`: PPO-family policy loss, KL loss, entropy bonus,
+    each aggregated per `algorithm.loss_aggregation` and rescaled from the micro-batch's own
+    counts to the step's global ones (the train_step contract)."""
+    mode = algorithm.loss_aggregation
+
+    def loss_fn(micro: Batch, logprobs: Tensor, entropy: Tensor | None):
+        mask = micro.loss_mask
+        weights = None
+        if algorithm.importance_cap is not None:
+            weights = truncated_importance_weights(
+                micro.extras["old_logprobs"],
+                micro.extras["rollout_logprobs"],
+                mask,
+                cap=algorithm.importance_cap,
+            )
+        loss, metrics = policy_loss(
+            logprobs,
+            micro.extras["old_logprobs"],
+            micro.extras["advantages"],
+            mask,
+            clip_low=algorithm.clip_low,
+            clip_high=algorithm.clip_high,
+            dual_clip=algorithm.dual_clip,
+            ratio_level=algorithm.ratio_level,
+            aggregation=mode,
+            normalizer=normalizer,
+            importance_weights=weights,
+        )
+        reported = {name: float(value.detach()) for name, value in metrics.items()}
+        if algorithm.kl_coef > 0 and not algorithm.kl_in_reward:
+            kl = kl_estimate(logprobs, micro.extras["ref_logprobs"], algorithm.kl_estimator)
+            kl_loss = aggregate(kl, mask, mode, normalizer=normalizer)
+            loss = loss + algorithm.kl_coef * kl_loss
+            reported["kl_loss"] = float(kl_loss.detach())
+        if entropy is not None:
+            entropy_mean = aggregate(entropy, mask, mode, normalizer=normalizer)
+            loss = loss - algorithm.entropy_coef * entropy_mean
+            reported["entropy"] = float(entropy_mean.detach())
+        if mode == "token-mean":
+            share = float(mask.sum()) / micro.global_token_count
+        else:  # every row holds loss tokens (`trainable`), so the seq-mean modes count them all
+            share = micro.input_ids.shape[0] / micro.global_sequence_count
+        return loss * share, reported
+
+    return loss_fn
+
+
+def mini_batches(size: int, count: int, generator: torch.Generator) -> list[list[int]]:
+    """`count` shuffled, near-equal slices of the row indices 0..size-1."""
+    order = torch.randperm(size, generator=generator).tolist()
+    return [order[i::count] for i in range(count) if order[i::count]]
+
+
+def rollout_metrics(trajectories: list[common_pb2.Trajectory]) -> dict[str, float]:
+    """Reward, accuracy, lengths, turns and tool use of a set of trajectories."""
+    count = max(len(trajectories), 1)
+    rewards = torch.tensor([t.reward.score for t in trajectories] or [0.0])
+    response_lengths = [sum(t.response_mask) for t in trajectories]
+    return {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if len(trajectories) > 1 else 0.0,
+        "accuracy": sum(map(accurate, trajectories)) / count,
+        "response_length": sum(response_lengths) / count,
+        "turns": sum(len(t.turns) for t in trajectories) / count,
+        "tool_calls": sum(t.metrics["tool_calls"] for t in trajectories) / count,
+        "tool_errors": sum(t.metrics["tool_errors"] for t in trajectories) / count,
+        "reward_errors": sum(t.reward.error for t in trajectories) / count,
+    }
+
+
+def accurate(trajectory: common_pb2.Trajectory) -> bool:
+    """The scorer's `acc` when it reports one (GSM8K, math), else a positive reward."""
+    extras = trajectory.reward.extras.fields
+    if "acc" in extras:
+        return extras["acc"].bool_value
+    return trajectory.reward.score > 0

@@ -1,0 +1,210 @@
+"""TrainerService: accepts runs, runs one at a time in a background task, keeps each run's
+state and progress events for GetRun and StreamProgress."""
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainer_svc.config import TrainerConfig
+from trainer_svc.controller import CheckpointRequest, Controller, ProgressEvent
+from turnrl.config import validate_config
+from turnrl.errors import (
+    AlreadyExistsError,
+    ConfigError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+)
+from turnrl.v1 import trainer_pb2
+
+logger = logging.getLogger(__name__)
+State = trainer_pb2.Run.State
+ENDED = (State.STATE_SUCCEEDED, State.STATE_STOPPED, State.STATE_FAILED)
+
+
+@dataclass
+class RunRecord:
+    """A run this service accepted: its state, its events so far, and its controller."""
+
+    name: str
+    output_dir: Path
+    total_steps: int
+    controller: Controller = field(init=False)
+    state: int = State.STATE_STARTING
+    started: float = field(default_factory=time.time)
+    ended: float | None = None
+    error_message: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+    events: list[trainer_pb2.StreamProgressResponse] = field(default_factory=list)
+    # Set when an event is added, then replaced: a waiter holds the one it saw.
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None
+
+    def to_proto(self) -> trainer_pb2.Run:
+        run = trainer_pb2.Run(
+            name=self.name,
+            state=self.state,
+            step=self.controller.step,
+            total_steps=self.total_steps,
+            output_dir=str(self.output_dir),
+            error_message=self.error_message,
+            metrics=self.metrics,
+        )
+        run.start_time.FromNanoseconds(int(self.started * 1e9))
+        if self.ended is not None:
+            run.end_time.FromNanoseconds(int(self.ended * 1e9))
+        return run
+
+
+class TrainerService:
+    """The runs of one trainer process; at most one runs at a time."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, RunRecord] = {}
+
+    async def start_run(self, config_yaml: str, run_name: str, resume: bool) -> RunRecord:
+        config = _trainer_config(config_yaml)
+        name = run_name or config.run_name
+        running = [r.name for r in self._runs.values() if r.state not in ENDED]
+        if running:
+            raise FailedPreconditionError(f"run {running[0]!r} is still running; stop it first")
+        output_dir = (config.output_dir / name).resolve()
+        if output_dir.exists() and any(output_dir.iterdir()) and not resume:
+            raise AlreadyExistsError(
+                f"run {name!r} exists in {output_dir}; resume it (--resume) or pick another name "
+                "(trainer.run_name=...)"
+            )
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.yaml").write_text(config_yaml)
+        record = RunRecord(name, output_dir, config.steps)
+        record.controller = Controller(config, output_dir, partial(self._on_event, record))
+        self._runs[name] = record
+        record.task = asyncio.create_task(self._run(record, resume))
+        return record
+
+    def get_run(self, name: str) -> RunRecord:
+        record = self._runs.get(name)
+        if record is None:
+            raise NotFoundError(f"no run {name!r}; known: {sorted(self._runs)}")
+        return record
+
+    async def stream_progress(self, name: str):
+        """Every event of the run from its start, then new ones until it ends."""
+        record = self.get_run(name)
+        sent = 0
+        while True:
+            wakeup = record.wakeup
+            pending = record.events[sent:]
+            ended = record.state in ENDED
+            for event in pending:
+                yield event
+            sent += len(pending)
+            if ended and sent == len(record.events):
+                return
+            if not pending:
+                await wakeup.wait()
+
+    async def stop_run(self, name: str, save_checkpoint: bool) -> RunRecord:
+        record = self.get_run(name)
+        if record.state in ENDED:
+            return record
+        if save_checkpoint:
+            self._request_checkpoint(record)
+        record.controller.request_stop()
+        self._set_state(record, State.STATE_STOPPING)
+        assert record.task is not None
+        await asyncio.shield(record.task)
+        return record
+
+    async def save_checkpoint(self, name: str) -> tuple[Path, int]:
+        record = self.get_run(name)
+        if record.state not in (State.STATE_RUNNING, State.STATE_STOPPING):
+            raise FailedPreconditionError(
+                f"run {name!r} is {State.Name(record.state)}; only a running run checkpoints"
+            )
+        return await self._request_checkpoint(record)
+
+    async def close(self) -> None:
+        """Stops the running run after its current step."""
+        for record in self._runs.values():
+            if record.task is not None and not record.task.done():
+                record.controller.request_stop()
+                with contextlib.suppress(Exception):
+                    await record.task
+
+    def _request_checkpoint(self, record: RunRecord) -> asyncio.Future:
+        request = CheckpointRequest(done=asyncio.get_running_loop().create_future())
+        record.controller.checkpoint_requests.append(request)
+        return request.done
+
+    async def _run(self, record: RunRecord, resume: bool) -> None:
+        try:
+            await record.controller.run(resume)
+            stopped = record.controller.step < record.total_steps
+            self._set_state(record, State.STATE_STOPPED if stopped else State.STATE_SUCCEEDED)
+        except Exception as e:  # a failed run is reported to its callers, not raised here
+            logger.exception("run %s failed", record.name)
+            record.error_message = f"{type(e).__name__}: {e}"
+            self._set_state(record, State.STATE_FAILED, record.error_message)
+        finally:
+            for request in record.controller.checkpoint_requests:
+                if not request.done.done():
+                    request.done.set_exception(
+                        FailedPreconditionError(f"run {record.name!r} ended before a checkpoint")
+                    )
+
+    def _on_event(self, record: RunRecord, event: ProgressEvent) -> None:
+        record.metrics.update(event.metrics)
+        if record.state == State.STATE_STARTING and event.stage == "setup":
+            record.state = State.STATE_RUNNING
+        response = trainer_pb2.StreamProgressResponse(
+            state=record.state,
+            step=event.step,
+            stage=event.stage,
+            metrics=event.metrics,
+            message=event.message,
+        )
+        response.time.GetCurrentTime()
+        _publish(record, response)
+
+    def _set_state(self, record: RunRecord, state: int, message: str = "") -> None:
+        if record.state in ENDED:
+            return
+        record.state = state
+        if state in ENDED:
+            record.ended = time.time()
+        response = trainer_pb2.StreamProgressResponse(
+            state=state,
+            step=record.controller.step,
+            stage="state",
+            message=message or State.Name(state),
+        )
+        response.time.GetCurrentTime()
+        _publish(record, response)
+
+
+def _publish(record: RunRecord, response: trainer_pb2.StreamProgressResponse) -> None:
+    record.events.append(response)
+    record.wakeup.set()
+    record.wakeup = asyncio.Event()
+
+
+def _trainer_config(config_yaml: str) -> TrainerConfig:
+    """The `trainer:` section of a whole turnrl config in YAML."""
+    try:
+        data: Any = yaml.safe_load(config_yaml) or {}
+    except yaml.YAMLError as e:
+        raise InvalidArgumentError(f"config_yaml is not YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise InvalidArgumentError("config_yaml must be a mapping of sections")
+    try:
+        return validate_config(TrainerConfig, data.get("trainer") or {}, path=None, overrides={})
+    except ConfigError as e:
+        raise InvalidArgumentError(f"trainer config: {e}") from None

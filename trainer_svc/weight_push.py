@@ -1,0 +1,325 @@
+"""The trainer's end of weight sync (DESIGN "Weight sync"): rank 0 pushes the policy to every
+rollout replica.
+
+`WeightPusher.connect` forms the weight-sync group: this process hosts the group's TCPStore
+and joins as rank 0 while each replica joins through InitWeightSync with one rank (replica i
+is rank i + 1). `push` pauses every replica, sends one update, and resumes them, also when the
+push fails. An update is one broadcast per bucket (the `turnrl.weights` layout, which
+`rollout_svc.weight_sync` unpacks) while every replica's UpdateWeights call receives it; when
+no group could be formed, it is a PushWeights stream of chunks to each replica instead.
+
+Collectives block, so they run in a worker thread. It packs the next bucket into one of two
+staging buffers, kept from push to push (fresh memory costs a page fault per 4 KiB), while the
+last bucket is on the wire. A failed broadcast leaves the ranks out of step: the group is
+dropped and later pushes go over gRPC.
+"""
+
+import asyncio
+import datetime
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Self
+
+import grpc
+import torch
+import torch.distributed as dist
+from google.protobuf import duration_pb2
+
+from turnrl import errors, rpc
+from turnrl.v1 import rollout_pb2, rollout_pb2_grpc
+from turnrl.weights import TensorMeta, plan_buckets
+
+log = logging.getLogger(__name__)
+
+BACKENDS = {
+    "gloo": rollout_pb2.InitWeightSyncRequest.BACKEND_GLOO,
+    "nccl": rollout_pb2.InitWeightSyncRequest.BACKEND_NCCL,
+}
+DEFAULT_BUCKET_SIZE_BYTES = 100 * 1024 * 1024
+# PushWeights chunk size: well under the channels' 64 MiB message limit.
+CHUNK_SIZE_BYTES = 4 * 1024 * 1024
+# Deadline of Pause and Resume; Pause returns at the engine's next decode step.
+CONTROL_TIMEOUT_SECONDS = 30.0
+# A replica's status code as the turnrl error its service raised (the first entry of a code wins).
+ERROR_BY_STATUS = {code: error for error, code in reversed(rpc.STATUS_BY_ERROR.items())}
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What one push moved, and how long it took from Pause to Resume."""
+
+    total_bytes: int
+    seconds: float
+    policy_versions: list[int]  # each replica's version after the push, in stub order
+    mode: Literal["broadcast", "grpc"]
+
+    @property
+    def gib_per_second(self) -> float:
+        return self.total_bytes / 2**30 / self.seconds
+
+
+class WeightPusher:
+    """Rank 0 of the weight-sync group with a fixed list of rollout replicas. Build it with
+    `await WeightPusher.connect(stubs, ...)`; `mode` says how pushes travel."""
+
+    def __init__(self, stubs: Sequence[rollout_pb2_grpc.RolloutServiceStub], device: str) -> None:
+        self._stubs = list(stubs)
+        self._device = device
+        self._group: dist.ProcessGroup | None = None
+        self._group_name = ""
+        self._staging = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]
+
+    @property
+    def mode(self) -> Literal["broadcast", "grpc"]:
+        return "grpc" if self._group is None else "broadcast"
+
+    @classmethod
+    async def connect(
+        cls,
+        rollout_stubs: Sequence[rollout_pb2_grpc.RolloutServiceStub],
+        *,
+        backend: Literal["gloo", "nccl"] = "gloo",
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+        group_name: str = "turnrl-weights",
+        timeout_seconds: float = 60.0,
+        mode: Literal["broadcast", "grpc"] = "broadcast",
+    ) -> Self:
+        """Forms the group with every replica (`mode="grpc"` skips it); `master_port` 0 picks
+        a free port. When the group cannot be formed within `timeout_seconds` (a replica's
+        error, a timeout), logs why and pushes over gRPC; that takes up to the whole timeout."""
+        if backend not in BACKENDS:
+            raise errors.InvalidArgumentError(f"backend {backend!r} is not one of {list(BACKENDS)}")
+        if mode not in ("broadcast", "grpc"):
+            raise errors.InvalidArgumentError(f"mode {mode!r} is not 'broadcast' or 'grpc'")
+        if not rollout_stubs:
+            raise errors.InvalidArgumentError("no rollout replicas to push weights to")
+        pusher = cls(rollout_stubs, "cuda" if backend == "nccl" else "cpu")
+        if mode == "broadcast":
+            try:
+                pusher._group = await pusher._form_group(
+                    backend, master_address, master_port, group_name, timeout_seconds
+                )
+                pusher._group_name = group_name
+            except (RuntimeError, errors.TurnrlError) as e:
+                log.warning("no weight-sync group (%s); pushing weights as gRPC streams", e)
+        return pusher
+
+    async def push(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        policy_version: int,
+        *,
+        bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
+        dtype: torch.dtype | None = None,
+        timeout_seconds: float = 300.0,
+    ) -> PushResult:
+        """Pauses every replica, sends the tensors (cast to `dtype` when given: bfloat16 halves
+        the bytes, float32 keeps them exact), checks that every replica took `policy_version`,
+        and resumes them. Raises FailedPreconditionError, before sending anything, when
+        `policy_version` is not newer than a replica's; a replica's error as the turnrl error
+        of its status code, naming the replica."""
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        tensors = [tensor.detach() for _, tensor in items]
+        metas = [TensorMeta(name, dtype or t.dtype, tuple(t.shape)) for name, t in items]
+        started = time.perf_counter()
+        try:
+            paused = await _all(
+                stub.Pause(rollout_pb2.PauseRequest(), timeout=CONTROL_TIMEOUT_SECONDS)
+                for stub in self._stubs
+            )
+            for index, reply in enumerate(paused):
+                if policy_version <= reply.policy_version:
+                    raise errors.FailedPreconditionError(
+                        f"policy_version {policy_version} is not newer than rollout replica "
+                        f"{index}'s {reply.policy_version}; nothing was sent"
+                    )
+            send = self._stream if self._group is None else self._broadcast
+            replies = await send(tensors, metas, bucket_size_bytes, policy_version, timeout_seconds)
+        finally:
+            resume_failure = await self._resume_all()
+        if resume_failure is not None:
+            raise resume_failure
+        versions = [reply.policy_version for reply in replies]
+        if versions != [policy_version] * len(versions):
+            raise errors.TurnrlError(
+                f"rollout replicas report policy_version {versions} after pushing {policy_version}"
+            )
+        seconds = time.perf_counter() - started
+        return PushResult(sum(m.nbytes for m in metas), seconds, versions, self.mode)
+
+    def close(self) -> None:
+        """Leaves the group and frees the staging buffers. Replicas keep their end until they
+        join another group."""
+        self._staging = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]
+        if self._group is not None:
+            self._group.shutdown()
+            self._group = None
+
+    async def _form_group(
+        self, backend: str, address: str, port: int, group_name: str, timeout_seconds: float
+    ) -> dist.ProcessGroup:
+        """Hosts the store and joins as rank 0 while every replica joins."""
+        if backend == "nccl" and not dist.is_nccl_available():
+            raise RuntimeError("this torch build has no NCCL")
+        world_size = 1 + len(self._stubs)
+        timeout = datetime.timedelta(seconds=timeout_seconds)
+        store = await asyncio.to_thread(
+            dist.TCPStore, address, port, world_size, True, timeout, wait_for_workers=False
+        )
+
+        def join() -> dist.ProcessGroup:
+            if backend == "gloo":
+                return dist.ProcessGroupGloo(store, 0, world_size, timeout)
+            return dist.ProcessGroupNCCL(store, 0, world_size)
+
+        join_timeout = duration_pb2.Duration()
+        join_timeout.FromTimedelta(timeout)
+        requests = [
+            rollout_pb2.InitWeightSyncRequest(
+                master_address=address, master_port=store.port, world_size=world_size,
+                rank_offset=1 + index, backend=BACKENDS[backend], group_name=group_name,
+                timeout=join_timeout,
+            )
+            for index in range(len(self._stubs))
+        ]  # fmt: skip
+        # A little longer than the group's timeout, so that a replica reports its own.
+        calls = [
+            stub.InitWeightSync(request, timeout=timeout_seconds + 5)
+            for stub, request in zip(self._stubs, requests, strict=True)
+        ]
+        group, *results = await asyncio.gather(
+            asyncio.to_thread(join), *calls, return_exceptions=True
+        )
+        for index, reply in enumerate(_replies(results)):
+            if reply.ranks_joined != 1:
+                raise RuntimeError(
+                    f"rollout replica {index} joined with {reply.ranks_joined} ranks"
+                )
+        if isinstance(group, BaseException):
+            raise group
+        return group
+
+    async def _broadcast(
+        self, tensors: list[torch.Tensor], metas: list[TensorMeta], bucket_size_bytes: int,
+        policy_version: int, timeout_seconds: float,
+    ) -> list[rollout_pb2.UpdateWeightsResponse]:  # fmt: skip
+        request = rollout_pb2.UpdateWeightsRequest(
+            group_name=self._group_name,
+            tensors=[meta.to_proto() for meta in metas],
+            bucket_size_bytes=bucket_size_bytes,
+            policy_version=policy_version,
+        )
+        # The replicas receive while rank 0 sends. Every call and the sender run to their end
+        # (a replica that fails early leaves the sender waiting out the group's timeout), so
+        # no thread is left broadcasting into the next push.
+        calls = [stub.UpdateWeights(request, timeout=timeout_seconds) for stub in self._stubs]
+        buckets = plan_buckets(metas, bucket_size_bytes)
+        sending = asyncio.to_thread(self._send_buckets, tensors, metas, buckets)
+        try:
+            *results, sent = await asyncio.gather(*calls, sending, return_exceptions=True)
+        except asyncio.CancelledError:
+            self._drop_group("a push was cancelled during its broadcast")
+            raise
+        if isinstance(sent, BaseException):
+            self._drop_group(f"a broadcast failed: {sent}")
+        replies = _replies(results)
+        if isinstance(sent, BaseException):
+            raise sent
+        return replies
+
+    def _send_buckets(
+        self, tensors: list[torch.Tensor], metas: list[TensorMeta], buckets: list[list[int]]
+    ) -> None:
+        """Broadcasts the buckets in order (in a worker thread), packing the next one into the
+        other staging buffer, grown when too small, while the last is on the wire."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        in_flight = None
+        for number, bucket in enumerate(buckets):
+            parts = [_uint8_view(tensors[i].to(metas[i].dtype)) for i in bucket]
+            flat = parts[0]  # a bucket of one tensor goes from the tensor itself
+            if len(parts) > 1:
+                size, slot = sum(part.numel() for part in parts), number % 2
+                if self._staging[slot].numel() < size:
+                    self._staging[slot] = torch.empty(size, dtype=torch.uint8)
+                flat = torch.cat(parts, out=self._staging[slot][:size])
+            flat = flat.to(self._device)
+            if in_flight is not None:
+                in_flight.wait()
+            in_flight = self._group.broadcast([flat], options)
+        if in_flight is not None:
+            in_flight.wait()
+
+    async def _stream(
+        self, tensors: list[torch.Tensor], metas: list[TensorMeta], bucket_size_bytes: int,
+        policy_version: int, timeout_seconds: float,
+    ) -> list[rollout_pb2.PushWeightsResponse]:  # fmt: skip
+        arrays = await asyncio.to_thread(
+            lambda: [
+                _uint8_view(t.to(m.dtype)).numpy() for t, m in zip(tensors, metas, strict=True)
+            ]
+        )
+        header = rollout_pb2.PushWeightsHeader(
+            tensors=[meta.to_proto() for meta in metas], policy_version=policy_version
+        )
+
+        async def requests() -> AsyncIterator[rollout_pb2.PushWeightsRequest]:
+            yield rollout_pb2.PushWeightsRequest(header=header)
+            for index, array in enumerate(arrays):
+                for offset in range(0, array.size, CHUNK_SIZE_BYTES):
+                    data = array[offset : offset + CHUNK_SIZE_BYTES].tobytes()
+                    chunk = rollout_pb2.TensorChunk(
+                        tensor_index=index, offset_bytes=offset, data=data
+                    )
+                    yield rollout_pb2.PushWeightsRequest(chunk=chunk)
+
+        return await _all(
+            stub.PushWeights(requests(), timeout=timeout_seconds) for stub in self._stubs
+        )
+
+    async def _resume_all(self) -> BaseException | None:
+        """Resumes every replica; logs each failure and returns the first, or None."""
+        request = rollout_pb2.ResumeRequest()
+        results = await asyncio.gather(
+            *(stub.Resume(request, timeout=CONTROL_TIMEOUT_SECONDS) for stub in self._stubs),
+            return_exceptions=True,
+        )
+        failures = [_replica_error(i, r) for i, r in enumerate(results) if isinstance(r, Exception)]
+        for failure in failures:
+            log.error("could not resume after a weight push: %s", failure)
+        return failures[0] if failures else None
+
+    def _drop_group(self, reason: str) -> None:
+        log.warning("dropping the weight-sync group (%s); pushing as gRPC streams from now", reason)
+        self.close()
+
+
+def _uint8_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor on CPU; no copy when already contiguous."""
+    return tensor.cpu().contiguous().view(-1).view(torch.uint8)
+
+
+async def _all(calls: Iterable[Awaitable[Any]]) -> list[Any]:
+    """Awaits one call per replica, every one to its end; the replies, or the first failure."""
+    return _replies(await asyncio.gather(*calls, return_exceptions=True))
+
+
+def _replies(results: list[Any]) -> list[Any]:
+    """The results of one call per replica; raises the first failure, as `_replica_error`."""
+    for index, result in enumerate(results):
+        if isinstance(result, grpc.aio.AioRpcError):
+            raise _replica_error(index, result) from result
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+def _replica_error(index: int, error: BaseException) -> BaseException:
+    """A replica's gRPC error as the turnrl error its service raised, naming the replica."""
+    if not isinstance(error, grpc.aio.AioRpcError):
+        return error
+    error_type = ERROR_BY_STATUS.get(error.code(), errors.TurnrlError)
+    return error_type(f"rollout replica {index}: {error.code().name}: {error.details()}")
