@@ -23,7 +23,11 @@ VERL_ROWS = [
             "index": 0,
             "split": "train",
             "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "42"}}},
-            "interaction_kwargs": {"name": "gsm8k", "query": "What is 6 * 7?", "ground_truth": "42"},
+            "interaction_kwargs": {
+                "name": "gsm8k",
+                "query": "What is 6 * 7?",
+                "ground_truth": "42",
+            },
         },
     },
     {
@@ -93,7 +97,9 @@ def test_generated_calculator_data_has_disjoint_splits():
     assert len(train) == 50 and len(held_out) == 7
     questions = {r.messages[-1]["content"] for r in train}
     assert not questions & {r.messages[-1]["content"] for r in held_out}
-    assert all(r.data_source == "openai/gsm8k" and r.ground_truth.lstrip("-").isdigit() for r in train)
+    assert all(
+        r.data_source == "openai/gsm8k" and r.ground_truth.lstrip("-").isdigit() for r in train
+    )
 
 
 def test_sampler_order_is_seeded_covers_each_epoch_and_resumes():
