@@ -34,7 +34,7 @@ class TensorMeta:
         count = 1
         for size in self.shape:
             count *= size
-        return count * torch.empty((), dtype=self.dtype).element_size()
+        return count * _element_size(self.dtype)
 
     def to_proto(self) -> rollout_pb2.TensorSpec:
         return rollout_pb2.TensorSpec(
@@ -70,13 +70,20 @@ def pack(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
 
 
 def unpack(flat: torch.Tensor, metas: list[TensorMeta]) -> list[torch.Tensor]:
-    """Views of `flat` as the tensors of `metas`, in order."""
+    """The tensors of `metas`, in order: views of `flat`, or copies where a tensor's bytes do not
+    start at a multiple of its element size (an odd-length bf16 tensor before an fp32 one)."""
     tensors = []
     offset = 0
     for meta in metas:
         chunk = flat[offset : offset + meta.nbytes]
+        if chunk.storage_offset() % _element_size(meta.dtype):
+            chunk = chunk.clone()
         tensors.append(chunk.view(meta.dtype).view(meta.shape))
         offset += meta.nbytes
     if offset != flat.numel():
         raise ValueError(f"bucket holds {flat.numel()} bytes; its tensors need {offset}")
     return tensors
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

@@ -66,6 +66,14 @@ def trainer_rank_zero(port: int, tensors: dict[str, torch.Tensor], bucket_size: 
         group.broadcast([flat], options).wait()
 
 
+def test_unpack_copes_with_tensors_at_unaligned_offsets():
+    odd_bf16 = torch.randn(3).bfloat16()  # 6 bytes: the fp32 tensor after it starts at byte 6
+    fp32 = torch.randn(2, 2)
+    metas = [TensorMeta("a", torch.bfloat16, (3,)), TensorMeta("b", torch.float32, (2, 2))]
+    first, second = unpack(pack([odd_bf16, fp32]), metas)
+    assert torch.equal(first, odd_bf16) and torch.equal(second, fp32)
+
+
 async def test_receives_a_gloo_broadcast_from_rank_zero():
     tensors, port, bucket_size = state_dict(), free_port(), 2048
     trainer = threading.Thread(target=trainer_rank_zero, args=(port, tensors, bucket_size))
