@@ -227,9 +227,7 @@ class _Run:
         try:
             output = await self.loop.engine.generate(
                 self.token_ids,
-                dataclasses.replace(
-                    self.sampling, max_new_tokens=budget, seed=self._turn_seed()
-                ),
+                dataclasses.replace(self.sampling, max_new_tokens=budget, seed=self._turn_seed()),
                 request_id=engine_request_id,
                 session_id=self.trajectory_id,
             )

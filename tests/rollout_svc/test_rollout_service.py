@@ -244,8 +244,7 @@ async def test_dead_tool_service_becomes_a_tool_error(tiny_model_dir):
     # call, which the parser reports instead.
     assert "tool service could not run" in tool_texts[0], tool_texts
     assert all(
-        "tool service could not run" in text or "malformed tool call" in text
-        for text in tool_texts
+        "tool service could not run" in text or "malformed tool call" in text for text in tool_texts
     ), tool_texts
 
 
