@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 from trainer_svc.checkpoint import load_latest_checkpoint, save_checkpoint
 from trainer_svc.config import TrainerConfig
 from trainer_svc.data import PromptRecord, PromptSampler, load_datasets
-from trainer_svc.fsdp import FsdpPolicy
+from trainer_svc.fsdp import FsdpPolicy, TrainSettings
 from trainer_svc.report import RunReport
 from trainer_svc.rl_step import (
     RolloutBatch,
@@ -94,7 +94,7 @@ class Controller:
         optim = config.optim
         if optim.lr_schedule == "cosine" and optim.total_steps == 0:
             total = config.steps * config.algorithm.ppo_epochs * config.algorithm.mini_batches
-            optim = optim.model_copy(update={"total_steps": total})
+            optim = TrainSettings.model_validate({**optim.model_dump(), "total_steps": total})
         self.policy = await asyncio.to_thread(FsdpPolicy, model_path, optim)
         self.reference = (
             await asyncio.to_thread(FsdpPolicy, model_path, optim)
@@ -231,7 +231,10 @@ class Controller:
             request_id=f"{self.run_dir.name}/{tag}",
         )
         replies = self.rollout.Generate(request, timeout=request_config.timeout_seconds)
-        return [reply.trajectory async for reply in replies]
+        trajectories = [reply.trajectory async for reply in replies]
+        # They stream back as they finish; a fixed order keeps mini-batches (and a resumed run)
+        # reproducible.
+        return sorted(trajectories, key=lambda t: t.trajectory_id)
 
     def _update(self, rollouts: RolloutBatch) -> dict[str, float]:
         """Recomputes logprobs, computes advantages and runs the PPO epochs (worker thread)."""

@@ -77,7 +77,10 @@ class TrainSettings(StrictModel):
         0.1, ge=0, le=1, description="Cosine: final learning rate as a fraction of the peak."
     )
     total_steps: int = Field(
-        0, ge=0, description="Cosine: optimizer steps until the learning rate reaches its minimum."
+        0,
+        ge=0,
+        description="Cosine: optimizer steps until the learning rate reaches its minimum. 0: "
+        "the trainer service sets it from trainer.steps x ppo_epochs x mini_batches.",
     )
     grad_clip: float = Field(
         1.0, gt=0, description="Largest global L2 norm of the gradients; .inf only measures it."
@@ -97,7 +100,7 @@ class TrainSettings(StrictModel):
 
     @model_validator(mode="after")
     def _cosine_needs_total_steps(self) -> Self:
-        if self.lr_schedule == "cosine" and self.total_steps <= self.warmup_steps:
+        if self.lr_schedule == "cosine" and 0 < self.total_steps <= self.warmup_steps:
             raise ValueError(
                 f"cosine schedule needs total_steps > warmup_steps; got total_steps="
                 f"{self.total_steps!r}, warmup_steps={self.warmup_steps!r}"
@@ -201,6 +204,8 @@ def lr_factor(step: int, settings: TrainSettings) -> float:
         return (step + 1) / settings.warmup_steps
     if settings.lr_schedule == "constant":
         return 1.0
+    if settings.total_steps == 0:
+        raise ValueError("a cosine schedule needs total_steps; it is 0")
     decay_steps = settings.total_steps - settings.warmup_steps
     progress = min(1.0, (step - settings.warmup_steps) / decay_steps)
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))

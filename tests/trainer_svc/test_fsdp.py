@@ -69,8 +69,11 @@ def test_lr_warms_up_then_follows_a_cosine_to_the_minimum():
     assert factors[:3] == [0.5, 1.0, 1.0]
     assert factors[4] == pytest.approx(0.55)
     assert factors[6:] == [pytest.approx(0.1)] * 2
-    with pytest.raises(ValueError, match="total_steps=0"):
-        TrainSettings(lr_schedule="cosine")
+    with pytest.raises(ValueError, match="total_steps=2"):
+        TrainSettings(lr_schedule="cosine", warmup_steps=2, total_steps=2)
+    # 0 is left for the trainer service to fill in; a schedule cannot run on it.
+    with pytest.raises(ValueError, match="needs total_steps"):
+        lr_factor(3, TrainSettings(lr_schedule="cosine"))
 
 
 def test_logprobs_match_a_full_forward_whatever_the_micro_batches_and_row_order(model_dir):
