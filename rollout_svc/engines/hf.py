@@ -5,17 +5,24 @@ worker settles with `loop.call_soon_threadsafe`, so no torch work ever runs on t
 worker iteration, in order:
 
 1. applies aborts and runs control commands (pause, resume, update_weights);
-2. admits waiting requests into free batch slots: one prefill forward each, over the prompt
-   suffix that the session's cached KV does not already cover, sampling the first token;
-3. runs one decode forward over every running request and samples one token each; a request
-   that ends leaves at once, a new one joins in the next iteration (no batch barrier);
+2. admits the next waiting requests that fit in the free batch slots and `max_prefill_tokens`:
+   one batched prefill forward computes the KV of each one's prompt but its last token, over the
+   suffix that the session's cached KV does not already cover (a prefix that all the admitted
+   prompts share, such as a system prompt, is computed once, in a forward of its own);
+3. runs one decode forward over every running request, feeding each its last token (for a
+   request just admitted, its prompt's last) and sampling one token each; a request that ends
+   leaves at once, a new one joins in the next iteration (no batch barrier);
 4. publishes stats, then answers the callers whose request or command completed.
 
-Running requests share one left-padded `DynamicCache`: row i holds its request's KV
+A large wave of arrivals is thus prefilled a budget's worth per iteration, with a decode step
+between, so running requests keep decoding and the first admitted start theirs early.
+
+Running requests share one left-padded cache (`hf_cache.BatchKv`): row i holds its request's KV
 right-aligned, a 2-D attention mask hides the padding and `position_ids` carry each row's true
-position, so a row's numbers do not depend on its batch mates (up to float rounding). The cache
-is re-packed only when a request joins or leaves. The price is that every row attends over the
-longest row's width, which is the usual cost of padded batching.
+position, so a row's numbers do not depend on its batch mates (up to float rounding). The price
+is that every row attends over the longest row's width, the usual cost of padded batching. A
+prefill batch pads the other way round, each row's cached prefix left and its new tokens right,
+so its tokens are contiguous and every query attends to at least itself.
 """
 
 import asyncio
@@ -24,7 +31,7 @@ import logging
 import random
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, Self
@@ -35,15 +42,16 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from rollout_svc.engines.base import FinishReason, GenerateOutput, SamplingParams
+from rollout_svc.engines.hf_cache import BatchKv, Kv, SessionKvStore
 from turnrl.config import StrictModel
 from turnrl.errors import AlreadyExistsError, FailedPreconditionError, InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 
-# Per layer: (keys, values), each [1, kv_heads, tokens, head_dim].
-Kv = list[tuple[torch.Tensor, torch.Tensor]]
-
 CLOSE_TIMEOUT_SECONDS = 60.0
+# Requests admitted together whose prompts start alike (a system prompt) compute the common
+# part once when it is at least this long.
+MIN_SHARED_PREFIX_TOKENS = 32
 
 
 class HfEngineOptions(StrictModel):
@@ -66,6 +74,13 @@ class HfEngineOptions(StrictModel):
         ge=2,
         description="Most tokens (prompt + response) of one request; a longer prompt is "
         "rejected and generation ends with LENGTH on reaching it.",
+    )
+    max_prefill_tokens: int = Field(
+        default=8192,
+        ge=1,
+        description="Most tokens one prefill forward runs, padding included: the requests "
+        "admitted together times the longest prompt suffix among them. Bounds the prefill's "
+        "activations and how long decoding waits for it; a longer prompt is prefilled alone.",
     )
     kv_cache_budget_bytes: int = Field(
         default=256 * 1024 * 1024,
@@ -97,138 +112,71 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     policy_versions: list[int] = field(default_factory=list)
     kv_len: int = 0  # leading token_ids whose KV the worker holds for this request
-    reused_kv: Kv | None = None  # the session's KV handed over at admission
+    reused_kv: Kv | None = None  # KV of token_ids[:kv_len] found at admission, not yet batched
     cached_prompt_tokens: int = 0
     computed_prompt_tokens: int = 0  # prefill tokens run through the model, recomputes included
 
 
-@dataclass
-class _SessionKv:
-    token_ids: list[int]  # the tokens the KV covers
-    kv: Kv
-    nbytes: int
-
-
-def _kv_bytes(kv: Kv) -> int:
-    return sum(keys.nbytes + values.nbytes for keys, values in kv)
-
-
-class _SessionKvStore:
-    """Finished requests' KV by session, least recently used first, within a byte budget."""
-
-    def __init__(self, budget_bytes: int):
-        self._budget_bytes = budget_bytes
-        self._entries: OrderedDict[str, _SessionKv] = OrderedDict()
-        self.nbytes = 0
-        self.evictions = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def put(self, session_id: str, token_ids: list[int], kv: Kv) -> None:
-        self.pop(session_id)
-        entry = _SessionKv(token_ids, kv, _kv_bytes(kv))
-        self._entries[session_id] = entry
-        self.nbytes += entry.nbytes
-        while self.nbytes > self._budget_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self.nbytes -= evicted.nbytes
-            self.evictions += 1
-
-    def pop(self, session_id: str) -> _SessionKv | None:
-        entry = self._entries.pop(session_id, None)
-        if entry is not None:
-            self.nbytes -= entry.nbytes
-        return entry
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self.nbytes = 0
-
-
-def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    return torch.nn.functional.pad(tensor, (0, 0, width - tensor.shape[-2], 0))
-
-
 class _RunningBatch:
-    """The running requests and their KV in one left-padded cache; row i is requests[i]. Every
-    request here has sampled its latest token but not yet fed it: kv_len == len(token_ids) - 1."""
+    """The running requests and their KV, row i of `kv` being requests[i]. Every request here has
+    its last token (its prompt's last, or its latest sample) not yet fed:
+    kv_len == len(token_ids) - 1."""
 
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, max_rows: int, max_columns: int):
         self._model = model
+        self._max_rows, self._max_columns = max_rows, max_columns
         self.requests: list[_Request] = []
-        self._cache: DynamicCache | None = None
+        self._kv_layout: Kv | None = None
+        self._kv: BatchKv | None = None
 
-    def _width(self) -> int:
-        return self._cache.get_seq_length() if self._cache is not None else 0
-
-    def _layers(self) -> Kv:
-        return [(layer.keys, layer.values) for layer in self._cache.layers] if self._cache else []
+    def kv_layout(self) -> Kv:
+        """One token's KV per layer: the heads, head size, dtype and device of the model's KV,
+        from a forward run on first use (in the worker thread)."""
+        if self._kv_layout is None:
+            cache = DynamicCache(config=self._model.config)
+            input_ids = torch.zeros((1, 1), dtype=torch.long, device=self._model.device)
+            self._model(input_ids=input_ids, cache=cache, use_cache=True)
+            self._kv_layout = [(layer.keys, layer.values) for layer in cache.layers]
+        return self._kv_layout
 
     def kv_bytes(self) -> int:
-        return _kv_bytes(self._layers())
+        return self._kv.nbytes() if self._kv is not None else 0
 
-    def extend(self, joining: list[tuple[_Request, Kv]]) -> None:
-        """Adds requests with their own KV, re-packing the cache once."""
-        if not joining:
-            return
-        width = max([self._width()] + [request.kv_len for request, _ in joining])
-        rows = [self._layers()] if self.requests else []
-        rows += [kv for _, kv in joining]
-        packed = [
-            tuple(torch.cat([_left_pad(row[layer][i], width) for row in rows]) for i in (0, 1))
-            for layer in range(len(rows[0]))
-        ]
-        self._cache = DynamicCache(packed, config=self._model.config)
+    def extend(self, joining: list[tuple[_Request, Kv | None]]) -> None:
+        """Adds requests with their own KV (None: none yet)."""
+        if self._kv is None:
+            self._kv = BatchKv(self.kv_layout(), self._max_rows, self._max_columns)
+        self._kv.append([kv for _, kv in joining])
         self.requests += [request for request, _ in joining]
 
     def remove(self, rows: list[int]) -> list[tuple[_Request, Kv]]:
-        """Takes requests out; returns each with its own KV, unpadded."""
+        """Takes requests out; returns each with a copy of its KV, unpadded. The last rows move
+        into the freed ones."""
         if not rows:
             return []
-        width, layers = self._width(), self._layers()
-        removed = [
-            (
-                self.requests[row],
-                [
-                    (
-                        keys[row : row + 1, :, width - self.requests[row].kv_len :].clone(),
-                        values[row : row + 1, :, width - self.requests[row].kv_len :].clone(),
-                    )
-                    for keys, values in layers
-                ],
-            )
-            for row in rows
-        ]
-        kept = [row for row in range(len(self.requests)) if row not in rows]
-        self.requests = [self.requests[row] for row in kept]
-        if not kept:
-            self._cache = None
-            return removed
-        # Columns that only the leavers used are padding for everyone left: drop them.
-        start = width - max(request.kv_len for request in self.requests)
-        index = torch.tensor(kept, device=layers[0][0].device)
-        self._cache = DynamicCache(
-            [
-                (
-                    keys.index_select(0, index)[:, :, start:],
-                    values.index_select(0, index)[:, :, start:],
-                )
-                for keys, values in layers
-            ],
-            config=self._model.config,
-        )
+        width = self._kv.width
+        removed = []
+        for row in rows:
+            request = self.requests[row]
+            kv = self._kv.row_kv(row, slice(width - request.kv_len, width))
+            removed.append((request, [(keys.clone(), values.clone()) for keys, values in kv]))
+        kept = [request for row, request in enumerate(self.requests) if row not in rows]
+        order = self._kv.remove(rows, max((request.kv_len for request in kept), default=0))
+        self.requests = [self.requests[row] for row in order]
         return removed
 
     def clear(self) -> list[_Request]:
         """Drops every request's KV; returns the requests."""
-        requests, self.requests, self._cache = self.requests, [], None
+        requests, self.requests = self.requests, []
+        if self._kv is not None:
+            self._kv.clear()
         return requests
 
     def decode(self) -> torch.Tensor:
-        """Feeds every request its latest token; returns the next-token logits, [rows, vocab]."""
+        """Feeds every request its last token; returns the next-token logits, [rows, vocab]."""
         device = self._model.device
-        width = self._width()
+        self._kv.reserve(0, 1)
+        width = self._kv.width
         kv_lens = torch.tensor([request.kv_len for request in self.requests], device=device)
         attention_mask = (
             torch.arange(width + 1, device=device)[None, :] >= (width - kv_lens)[:, None]
@@ -237,12 +185,20 @@ class _RunningBatch:
             input_ids=torch.tensor([[r.token_ids[-1]] for r in self.requests], device=device),
             attention_mask=attention_mask,
             position_ids=kv_lens[:, None],
-            cache=self._cache,
+            cache=self._kv.cache,
             use_cache=True,
         )
         for request in self.requests:
             request.kv_len += 1
         return output.logits[:, -1, :].float()
+
+
+def _common_prefix_len(sequences: list[list[int]]) -> int:
+    """Length of the longest prefix of all the sequences: that of the least and the greatest."""
+    first, last = min(sequences), max(sequences)
+    return next(
+        (i for i, (a, b) in enumerate(zip(first, last, strict=False)) if a != b), len(first)
+    )
 
 
 def _next_token(logits: torch.Tensor, request: _Request) -> int:
@@ -372,18 +328,19 @@ class HfEngine:
         self._commands: list[
             tuple[Callable[[], object], asyncio.Future, asyncio.AbstractEventLoop]
         ] = []
-        self._sessions = _SessionKvStore(options.kv_cache_budget_bytes)
+        self._sessions = SessionKvStore(options.kv_cache_budget_bytes)
         self._closed = False  # no new requests or commands
         self._closing = False  # the worker ends everything and exits
         # Owned by the worker thread.
         self._waiting: deque[_Request] = deque()
-        self._batch = _RunningBatch(model)
+        self._batch = _RunningBatch(model, options.max_batch_size, options.max_model_len)
         self._paused = False
         # Replies to send after this iteration's stats are published: (loop, future, outcome).
         self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, object]] = []
         self._counters = {
             "tokens_generated": 0,
             "prefill_tokens": 0,
+            "prefill_forwards": 0,
             "prefix_cache_hits": 0,
             "prefix_cache_hit_tokens": 0,
         }
@@ -475,8 +432,9 @@ class HfEngine:
 
     def stats(self) -> dict[str, float]:
         """running, waiting, paused (0/1), policy_version, cached_sessions, session_kv_bytes,
-        running_kv_bytes, session_evictions, and the running totals tokens_generated,
-        prefill_tokens (computed), prefix_cache_hits and prefix_cache_hit_tokens (reused)."""
+        running_kv_bytes (allocated), session_evictions, and the running totals
+        tokens_generated, prefill_tokens (computed), prefill_forwards, prefix_cache_hits and
+        prefix_cache_hit_tokens (reused)."""
         with self._lock:
             return {
                 **self._stats,
@@ -557,51 +515,119 @@ class HfEngine:
             return
         for request in [r for r in self._waiting if r.request_id in abort_ids]:
             self._waiting.remove(request)
-            self._finish(request, FinishReason.ABORT, None)
+            self._finish(request, FinishReason.ABORT, request.reused_kv)
         rows = [row for row, r in enumerate(self._batch.requests) if r.request_id in abort_ids]
         for request, kv in self._batch.remove(rows):
             self._finish(request, FinishReason.ABORT, kv)
 
     def _admit(self) -> None:
-        joining: list[tuple[_Request, Kv]] = []
+        """Prefills the next waiting requests, first come first served, as many as fit in the
+        free batch slots and in max_prefill_tokens together, and adds them to the batch."""
+        admitted: list[_Request] = []
+        longest = 0  # the most tokens one of them computes
         while (
             self._waiting
-            and len(self._batch.requests) + len(joining) < self._options.max_batch_size
+            and len(self._batch.requests) + len(admitted) < self._options.max_batch_size
         ):
-            request = self._waiting.popleft()
-            try:
-                logits, kv = self._prefill(request)
-            except Exception as error:  # e.g. out of memory on a long prompt: fail this one only
-                logger.exception("prefill of request %r failed", request.request_id)
+            request = self._waiting[0]
+            if request.kv_len == 0 and request.session_id:
+                self._take_session_kv(request)
+            new_tokens = len(request.token_ids) - 1 - request.kv_len
+            padded_tokens = (len(admitted) + 1) * max(longest, new_tokens)
+            if admitted and padded_tokens > self._options.max_prefill_tokens:
+                break
+            admitted.append(self._waiting.popleft())
+            longest = max(longest, new_tokens)
+        if not admitted:
+            return
+        try:
+            kvs = self._prefill(admitted)
+        except Exception as error:  # e.g. out of memory on long prompts: fail these only
+            logger.exception("prefill of %d requests failed", len(admitted))
+            for request in admitted:
                 self._finish(request, error, None)
-                continue
-            self._sample([request], logits[None])
-            reason = self._finish_reason(request)
-            if reason is None:
-                joining.append((request, kv))
-            else:
-                self._finish(request, reason, kv)
-        self._batch.extend(joining)
+            return
+        self._batch.extend(list(zip(admitted, kvs, strict=True)))
 
-    def _prefill(self, request: _Request) -> tuple[torch.Tensor, Kv]:
-        """Runs the tokens the request has no KV for; returns the last position's logits."""
-        if request.kv_len == 0 and request.session_id:
-            self._take_session_kv(request)
-        cache = DynamicCache(request.reused_kv, config=self._model.config)
-        request.reused_kv = None
+    def _prefill(self, requests: list[_Request]) -> list[Kv | None]:
+        """Computes the KV of each request's tokens but the last, after the session KV it
+        reuses, in one forward; returns each one's KV (None: no tokens before its last). The
+        decode step feeds the last token and samples the first new one from its logits."""
+        self._share_prompt_prefix(requests)
+        kvs = [request.reused_kv for request in requests]
+        for request in requests:
+            computed = len(request.token_ids) - request.kv_len  # the last token's included
+            request.computed_prompt_tokens += computed
+            self._counters["prefill_tokens"] += computed
+            request.reused_kv = None
+        rows = [row for row, r in enumerate(requests) if r.kv_len < len(r.token_ids) - 1]
+        if rows:
+            computed_kvs = self._prefill_forward(
+                [kvs[row] for row in rows],
+                [requests[row].token_ids[requests[row].kv_len : -1] for row in rows],
+            )
+            for row, kv in zip(rows, computed_kvs, strict=True):
+                kvs[row] = kv
+        for request in requests:
+            request.kv_len = len(request.token_ids) - 1
+        return kvs
+
+    def _prefill_forward(self, past_kvs: list[Kv | None], new_ids: list[list[int]]) -> list[Kv]:
+        """Runs `new_ids[i]` after the KV `past_kvs[i]` (None: none) for every row i in one
+        forward; returns each row's KV, past and new, as views of one batch cache.
+
+        Row i holds its past left-padded to the longest past and its new tokens right-padded,
+        so its KV is one run of columns; the right padding is invisible to it (causal)."""
         device = self._model.device
-        new_ids = request.token_ids[request.kv_len :]
-        output = self._model(
-            input_ids=torch.tensor([new_ids], device=device),
-            position_ids=torch.arange(request.kv_len, len(request.token_ids), device=device)[None],
-            cache=cache,
+        past_lens = [kv[0][0].shape[-2] if kv else 0 for kv in past_kvs]
+        new_lens = [len(ids) for ids in new_ids]
+        past_width, new_width = max(past_lens), max(new_lens)
+        cache = BatchKv(self._batch.kv_layout(), len(new_ids), past_width + new_width)
+        cache.reserve(past_width, new_width)
+        cache.append(past_kvs)
+        past = torch.tensor(past_lens, device=device)[:, None]
+        is_new = (
+            torch.arange(new_width, device=device)[None, :]
+            < torch.tensor(new_lens, device=device)[:, None]
+        )
+        is_past = torch.arange(past_width, device=device)[None, :] >= past_width - past
+        # Padding gets position 0, a position every model has.
+        position_ids = torch.where(is_new, past + torch.arange(new_width, device=device), 0)
+        self._model(
+            input_ids=torch.tensor(
+                [ids + [0] * (new_width - len(ids)) for ids in new_ids], device=device
+            ),
+            attention_mask=torch.cat([is_past, is_new], dim=1),
+            position_ids=position_ids,
+            cache=cache.cache,
             use_cache=True,
             logits_to_keep=1,
         )
-        request.kv_len = len(request.token_ids)
-        request.computed_prompt_tokens += len(new_ids)
-        self._counters["prefill_tokens"] += len(new_ids)
-        return output.logits[0, -1].float(), [(layer.keys, layer.values) for layer in cache.layers]
+        self._counters["prefill_forwards"] += 1
+        return [
+            cache.row_kv(row, slice(past_width - past_len, past_width + new_len))
+            for row, (past_len, new_len) in enumerate(zip(past_lens, new_lens, strict=True))
+        ]
+
+    def _share_prompt_prefix(self, requests: list[_Request]) -> None:
+        """Computes once, in a forward of its own, the prefix that the prompts of the requests
+        without reused KV all share (a system prompt), and hands each its KV as if cached: a
+        prefix's KV is the same whoever computes it (up to float rounding). A prefix shorter
+        than MIN_SHARED_PREFIX_TOKENS is left to the batched forward."""
+        fresh = [request for request in requests if request.kv_len == 0]
+        if len(fresh) < 2:
+            return
+        shared = min(
+            _common_prefix_len([request.token_ids for request in fresh]),
+            *(len(request.token_ids) - 1 for request in fresh),
+        )
+        if shared < MIN_SHARED_PREFIX_TOKENS:
+            return
+        (kv,) = self._prefill_forward([None], [fresh[0].token_ids[:shared]])
+        self._counters["prefill_tokens"] += shared
+        for request in fresh:
+            request.reused_kv = kv
+            request.kv_len = request.cached_prompt_tokens = shared
 
     def _take_session_kv(self, request: _Request) -> None:
         """Reuses the session's KV over the longest common prefix with this request's tokens,
@@ -721,7 +747,7 @@ class HfEngine:
         # Their KV came from the old weights: recompute it from their tokens, first in line.
         self._waiting.extendleft(reversed(self._batch.clear()))
         for request in self._waiting:
-            request.kv_len = 0
+            request.kv_len, request.reused_kv = 0, None
 
     def _publish_stats(self) -> None:
         with self._lock:

@@ -205,6 +205,114 @@ async def test_seeded_sampling_is_reproducible_with_batch_mates(engine: HfEngine
     assert (await engine.generate(prompt, other_seed, "other")).output_ids != alone.output_ids
 
 
+async def prefilled_together(
+    engine: HfEngine, calls: list[Coroutine[None, None, GenerateOutput]]
+) -> tuple[list[GenerateOutput], int]:
+    """Queues the calls while the engine is paused, so that they are admitted in one iteration;
+    returns their outputs and the prefill forwards that took."""
+    await engine.pause()
+    tasks = [await submitted(engine, call) for call in calls]
+    forwards = engine.stats()["prefill_forwards"]
+    await engine.resume()
+    outputs = await asyncio.gather(*tasks)
+    return outputs, engine.stats()["prefill_forwards"] - forwards
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [greedy(20), SamplingParams(max_new_tokens=20, temperature=1.0, top_p=0.9, seed=5)],
+    ids=["greedy", "seeded"],
+)
+async def test_batched_prefill_matches_prefill_alone(
+    engine: HfEngine, reference: Qwen3ForCausalLM, sampling: SamplingParams
+) -> None:
+    prompts = [random_ids(n, seed=50 + n) for n in (1, 3, 17, 40, 90)]
+    alone = [await engine.generate(p, sampling, f"alone{i}") for i, p in enumerate(prompts)]
+    # Padded to the 90-token prompt, in one forward (the 1-token prompt needs none).
+    together, forwards = await prefilled_together(
+        engine, [engine.generate(p, sampling, f"together{i}") for i, p in enumerate(prompts)]
+    )
+    assert forwards == 1
+    for prompt, one, batched in zip(prompts, alone, together, strict=True):
+        assert batched.output_ids == one.output_ids
+        assert batched.logprobs == pytest.approx(one.logprobs, abs=LOGPROB_TOLERANCE)
+        assert batched.metrics["computed_prompt_tokens"] == len(prompt)
+        assert_logprobs_match(reference, prompt, batched)
+
+
+async def test_prompts_admitted_together_compute_their_shared_prefix_once(
+    engine: HfEngine, reference: Qwen3ForCausalLM
+) -> None:
+    system = random_ids(40, seed=55)
+    prompts = [[*system, *random_ids(n, seed=56 + n)] for n in (1, 6, 30)]
+    sampling = SamplingParams(max_new_tokens=15, temperature=1.0, seed=9)
+    alone = [await engine.generate(p, sampling, f"alone{i}") for i, p in enumerate(prompts)]
+    prefill_tokens = engine.stats()["prefill_tokens"]
+    # The 40 shared tokens in one forward, the rest in another.
+    together, forwards = await prefilled_together(
+        engine, [engine.generate(p, sampling, f"together{i}") for i, p in enumerate(prompts)]
+    )
+    assert forwards == 2
+    computed = engine.stats()["prefill_tokens"] - prefill_tokens
+    assert computed == len(system) + sum(len(p) - len(system) for p in prompts)
+    for prompt, one, batched in zip(prompts, alone, together, strict=True):
+        assert one.metrics["cached_prompt_tokens"] == 0
+        assert batched.metrics["cached_prompt_tokens"] == len(system)
+        assert batched.metrics["computed_prompt_tokens"] == len(prompt) - len(system)
+        assert batched.output_ids == one.output_ids
+        assert batched.logprobs == pytest.approx(one.logprobs, abs=LOGPROB_TOLERANCE)
+        assert_logprobs_match(reference, prompt, batched)
+
+
+async def test_resumed_sessions_prefill_together_with_fresh_requests(
+    engine: HfEngine, reference: Qwen3ForCausalLM
+) -> None:
+    first_prompts = {"a": random_ids(7, seed=60), "b": random_ids(33, seed=61)}
+    histories = {}
+    for session, prompt in first_prompts.items():
+        out = await engine.generate(prompt, greedy(5), f"{session}1", session_id=session)
+        histories[session] = [*prompt, *out.output_ids]
+    # New suffixes of 3 and 12 tokens after cached prefixes of 11 and 37, next to a fresh prompt.
+    prompts = {
+        "a": [*histories["a"], *random_ids(3, seed=62)],
+        "b": [*histories["b"], *random_ids(12, seed=63)],
+        "fresh": random_ids(50, seed=64),
+    }
+    outputs, forwards = await prefilled_together(
+        engine,
+        [
+            engine.generate(prompt, greedy(15), f"{name}2", session_id=name)
+            for name, prompt in prompts.items()
+        ],
+    )
+    assert forwards == 1
+    cached = [len(histories["a"]) - 1, len(histories["b"]) - 1, 0]
+    for (name, prompt), out, reused in zip(prompts.items(), outputs, cached, strict=True):
+        assert out.metrics["cached_prompt_tokens"] == reused, name
+        assert out.metrics["computed_prompt_tokens"] == len(prompt) - reused, name
+        assert out.output_ids == generate_reference(reference, prompt, 15), name
+        assert_logprobs_match(reference, prompt, out)
+
+
+async def test_prefill_token_budget_splits_admission(
+    model_dir: Path, reference: Qwen3ForCausalLM
+) -> None:
+    # Two 30-token prompts fit 64 tokens (2 x 29 to compute), a third does not; the 100-token
+    # one is over the budget alone and still runs, alone.
+    engine = await start_engine(model_dir, max_prefill_tokens=64)
+    try:
+        prompts = [random_ids(n, seed=70 + i) for i, n in enumerate((30, 30, 30, 100))]
+        outputs, forwards = await prefilled_together(
+            engine, [engine.generate(p, greedy(10), f"b{i}") for i, p in enumerate(prompts)]
+        )
+    finally:
+        await engine.close()
+    assert forwards == 3
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.output_ids == generate_reference(reference, prompt, 10)
+        assert_logprobs_match(reference, prompt, out)
+
+
 async def test_stop_token_ends_the_turn(engine: HfEngine, reference: Qwen3ForCausalLM) -> None:
     prompt = random_ids(8, seed=5)
     full = generate_reference(reference, prompt, 30)
