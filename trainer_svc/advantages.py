@@ -9,6 +9,7 @@ tokens as actions: the step after a model token is the next model token, whateve
 """
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -164,41 +165,27 @@ def _on_model_tokens(sequence_advantages: Tensor, loss_mask: Tensor) -> Tensor:
     return torch.where(loss_mask, sequence_advantages.unsqueeze(-1), 0.0)
 
 
-def _grpo(
-    token_rewards: Tensor,
-    group_index: Tensor,
-    loss_mask: Tensor,
-    values: Tensor | None,
-    gamma: float,
-    lam: float,
-) -> tuple[Tensor, None]:
-    advantages = grpo_advantages(_row_rewards(token_rewards, loss_mask), group_index)
-    return _on_model_tokens(advantages, loss_mask), None
+Estimator = Callable[
+    [Tensor, Tensor, Tensor, Tensor | None, float, float], tuple[Tensor, Tensor | None]
+]
 
 
-def _dr_grpo(
-    token_rewards: Tensor,
-    group_index: Tensor,
-    loss_mask: Tensor,
-    values: Tensor | None,
-    gamma: float,
-    lam: float,
-) -> tuple[Tensor, None]:
-    rewards = _row_rewards(token_rewards, loss_mask)
-    advantages = grpo_advantages(rewards, group_index, normalize_by_std=False)
-    return _on_model_tokens(advantages, loss_mask), None
+def _per_sequence(row_advantages: Callable[[Tensor, Tensor], Tensor]) -> Estimator:
+    """An estimator that scores each row by its summed model-token rewards, takes the row
+    advantages from `row_advantages(rewards, group_index)`, and puts them on its model tokens."""
 
+    def estimate(
+        token_rewards: Tensor,
+        group_index: Tensor,
+        loss_mask: Tensor,
+        values: Tensor | None,
+        gamma: float,
+        lam: float,
+    ) -> tuple[Tensor, None]:
+        advantages = row_advantages(_row_rewards(token_rewards, loss_mask), group_index)
+        return _on_model_tokens(advantages, loss_mask), None
 
-def _rloo(
-    token_rewards: Tensor,
-    group_index: Tensor,
-    loss_mask: Tensor,
-    values: Tensor | None,
-    gamma: float,
-    lam: float,
-) -> tuple[Tensor, None]:
-    advantages = rloo_advantages(_row_rewards(token_rewards, loss_mask), group_index)
-    return _on_model_tokens(advantages, loss_mask), None
+    return estimate
 
 
 def _reinforce_plus_plus(
@@ -227,13 +214,10 @@ def _gae(
 
 # Each takes (token_rewards, group_index, loss_mask, values, gamma, lam) and returns
 # (advantages (B, T), returns (B, T) or None); see `compute_advantages`.
-ADVANTAGE_ESTIMATORS: dict[
-    str,
-    Callable[[Tensor, Tensor, Tensor, Tensor | None, float, float], tuple[Tensor, Tensor | None]],
-] = {
-    "grpo": _grpo,
-    "dr_grpo": _dr_grpo,
-    "rloo": _rloo,
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
+    "grpo": _per_sequence(grpo_advantages),
+    "dr_grpo": _per_sequence(partial(grpo_advantages, normalize_by_std=False)),
+    "rloo": _per_sequence(rloo_advantages),
     "reinforce_plus_plus": _reinforce_plus_plus,
     "gae": _gae,
 }
