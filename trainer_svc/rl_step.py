@@ -51,7 +51,6 @@ def rollout_batch(trajectories: list[common_pb2.Trajectory], pad_token_id: int) 
             logprobs += list(segment.logprobs) if is_model else [0.0] * len(segment.token_ids)
         token_ids.append(ids)
         rollout_logprobs.append(logprobs)
-    groups = {group: i for i, group in enumerate(dict.fromkeys(t.group_id for t in trajectories))}
     batch = Batch.from_sequences(
         token_ids,
         [list(t.loss_mask) for t in trajectories],
@@ -60,10 +59,20 @@ def rollout_batch(trajectories: list[common_pb2.Trajectory], pad_token_id: int) 
     )
     return RolloutBatch(
         batch=batch,
-        rewards=torch.tensor([t.reward.score for t in trajectories], dtype=torch.float32),
-        group_index=torch.tensor([groups[t.group_id] for t in trajectories]),
+        rewards=_rewards(trajectories),
+        group_index=_group_index(trajectories),
         trajectories=trajectories,
     )
+
+
+def _rewards(trajectories: list[common_pb2.Trajectory]) -> Tensor:
+    return torch.tensor([t.reward.score for t in trajectories], dtype=torch.float32)
+
+
+def _group_index(trajectories: list[common_pb2.Trajectory]) -> Tensor:
+    """Each trajectory's group as 0, 1, ... in order of first appearance."""
+    groups = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in trajectories))}
+    return torch.tensor([groups[t.group_id] for t in trajectories])
 
 
 def trainable(trajectory: common_pb2.Trajectory) -> bool:
@@ -78,10 +87,7 @@ def keep_groups_with_signal(trajectories: list[common_pb2.Trajectory]) -> list:
     """DAPO's dynamic sampling: the trajectories of groups whose rewards are not all equal."""
     if not trajectories:
         return []
-    groups = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in trajectories))}
-    rewards = torch.tensor([t.reward.score for t in trajectories])
-    index = torch.tensor([groups[t.group_id] for t in trajectories])
-    keep = groups_with_signal(rewards, index)
+    keep = groups_with_signal(_rewards(trajectories), _group_index(trajectories))
     return [t for t, kept in zip(trajectories, keep.tolist(), strict=True) if kept]
 
 
