@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +23,10 @@ os.environ.setdefault("PYTHONASYNCIODEBUG", "1")
 
 EXAMPLE_CONFIG = REPO_ROOT / "examples" / "calculator" / "config.yaml"
 SERVICE_NAMES = ("tool", "reward", "rollout", "trainer")
+# Overrides that put every service on a free port.
+FREE_PORTS = [f"{name}.server.port=0" for name in SERVICE_NAMES]
+# A row of `turnrl up`'s address table: service, address, pid.
+UP_TABLE_ROW = re.compile(r"(tool|reward|rollout|trainer)\s*│\s*(127\.0\.0\.1:\d+)\s*│\s*(\d+)")
 STARTUP_TIMEOUT_SECONDS = 60.0
 
 

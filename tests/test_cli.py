@@ -9,7 +9,7 @@ import pytest
 
 import turnrl
 
-from .conftest import EXAMPLE_CONFIG, SERVICE_NAMES, run_turnrl, serve_subprocess
+from .conftest import EXAMPLE_CONFIG, FREE_PORTS, run_turnrl, serve_subprocess
 
 # These start the rollout service, whose default model is the tiny one: build it before the
 # services' start-up timeouts begin.
@@ -148,7 +148,7 @@ async def test_run_reports_a_refused_run_and_stops_the_services(tmp_path):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "metrics.jsonl").write_text("")
     code, _, stderr = await run_turnrl(
-        "run", "--config", str(EXAMPLE_CONFIG), *[f"{n}.server.port=0" for n in SERVICE_NAMES],
+        "run", "--config", str(EXAMPLE_CONFIG), *FREE_PORTS,
         f"trainer.output_dir={tmp_path}", "trainer.run_name=taken",
     )  # fmt: skip
     assert code == 1

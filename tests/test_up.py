@@ -2,20 +2,25 @@
 
 import asyncio
 import os
-import re
 import signal
 
 import pytest
 
-from .conftest import EXAMPLE_CONFIG, SERVICE_NAMES, run_turnrl, serve_subprocess, spawn_turnrl
+from .conftest import (
+    EXAMPLE_CONFIG,
+    FREE_PORTS,
+    SERVICE_NAMES,
+    UP_TABLE_ROW,
+    run_turnrl,
+    serve_subprocess,
+    spawn_turnrl,
+)
 
 # These start the rollout service, whose default model is the tiny one: build it before the
 # services' start-up timeouts begin.
 pytestmark = pytest.mark.usefixtures("tiny_model_dir")
 
-FREE_PORTS = [f"{name}.server.port=0" for name in SERVICE_NAMES]
 SHORT_GRACE = [f"{name}.server.shutdown_grace_seconds=2" for name in SERVICE_NAMES]
-ROW = re.compile(r"(tool|reward|rollout|trainer)\s*│\s*(127\.0\.0\.1:\d+)\s*│\s*(\d+)")
 
 
 def pid_alive(pid: int) -> bool:
@@ -31,7 +36,7 @@ async def test_up_check_starts_checks_and_stops_all_four():
         "up", "--config", str(EXAMPLE_CONFIG), "--check", *FREE_PORTS
     )
     assert code == 0, stderr
-    rows = {name: (address, int(pid)) for name, address, pid in ROW.findall(stdout)}
+    rows = {name: (address, int(pid)) for name, address, pid in UP_TABLE_ROW.findall(stdout)}
     assert set(rows) == set(SERVICE_NAMES)
     assert len({address for address, _ in rows.values()}) == 4
     assert "check passed" in stdout
@@ -47,7 +52,7 @@ async def start_up() -> tuple[asyncio.subprocess.Process, dict[str, int]]:
     async with asyncio.timeout(60):
         async for raw in process.stdout:
             line = raw.decode()
-            if match := ROW.search(line):
+            if match := UP_TABLE_ROW.search(line):
                 pids[match.group(1)] = int(match.group(3))
             if "Ctrl-C stops them" in line:
                 break

@@ -5,7 +5,6 @@ kill -9 and resumed."""
 import asyncio
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -21,11 +20,9 @@ from turnrl import rpc
 from turnrl.config import ClientConfig
 from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
 
-from ..conftest import EXAMPLE_CONFIG, SERVICE_NAMES, spawn_turnrl
+from ..conftest import EXAMPLE_CONFIG, FREE_PORTS, SERVICE_NAMES, UP_TABLE_ROW, spawn_turnrl
 
 State = trainer_pb2.Run.State
-ROW = re.compile(r"(tool|reward|rollout|trainer)\s*│\s*(127\.0\.0\.1:\d+)\s*│\s*(\d+)")
-FREE_PORTS = [f"{name}.server.port=0" for name in SERVICE_NAMES]
 # A run small enough for a test: 2 prompts x 4 samples per step, 8 held-out prompts.
 SMALL_RUN = {
     "steps": 2,
@@ -50,7 +47,7 @@ def services(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
     )
     addresses = {}
     for line in process.stdout:
-        if match := ROW.search(line):
+        if match := UP_TABLE_ROW.search(line):
             addresses[match.group(1)] = match.group(2)
         if "Ctrl-C stops them" in line:
             break
