@@ -16,13 +16,14 @@ from google.protobuf.descriptor import ServiceDescriptor
 
 from turnrl import rpc
 from turnrl.config import REPO_ROOT, ServerConfig, fixtures_dir
+from turnrl.project_config import SERVICE_NAMES
 from turnrl.tiny_model import build_tiny_model
 
 # Asyncio debug mode in every test loop and child service: slow callbacks (>100 ms) are reported.
 os.environ.setdefault("PYTHONASYNCIODEBUG", "1")
 
 EXAMPLE_CONFIG = REPO_ROOT / "examples" / "calculator" / "config.yaml"
-SERVICE_NAMES = ("tool", "reward", "rollout", "trainer")
+
 # Overrides that put every service on a free port.
 FREE_PORTS = [f"{name}.server.port=0" for name in SERVICE_NAMES]
 # A row of `turnrl up`'s address table: service, address, pid.

@@ -99,3 +99,16 @@ async def test_up_rejects_a_bad_config_naming_the_key():
     code, _, stderr = await run_turnrl("up", "--check", "rollout.server.max_message_bytes=-1")
     assert code == 2
     assert "rollout.server.max_message_bytes" in stderr
+
+
+async def test_up_starts_only_the_services_the_config_does_not_point_at():
+    async with serve_subprocess("tool") as tool:
+        code, stdout, stderr = await run_turnrl(
+            "up", "--check", *FREE_PORTS, f"rollout.tool_service.address={tool.address}"
+        )
+        # The rollout service it started calls the external tool service.
+        assert code == 0, stderr
+        rows = {name: address for name, address, _ in UP_TABLE_ROW.findall(stdout)}
+        assert set(rows) == {"reward", "rollout", "trainer"}
+        assert "check passed: 3 services" in stdout
+        assert tool.process.returncode is None  # up stopped only what it started

@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="port to bind; 0 picks a free one")
     serve.set_defaults(handler=_serve)
 
-    up = commands.add_parser("up", help="start all four services as local processes")
+    up = commands.add_parser(
+        "up", help="start the services the config does not point at, as local processes"
+    )
     _add_config_args(up)
     up.add_argument(
         "--check",

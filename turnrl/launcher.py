@@ -1,6 +1,7 @@
 """Local launcher: runs the four services as child processes (`turnrl up`, `turnrl run`).
 
-Each child is `python -m turnrl serve <name>` with the same config file and overrides. The
+It starts the services the config does not point at (ProjectConfig.services_to_start), and
+points the ones it starts at the others. Each child is `python -m turnrl serve <name>` with the same config file and overrides. The
 launcher learns each address from the child's first stdout line, waits for gRPC health
 SERVING, and supervises: when one child dies it says which and why (exit status and its last
 log lines) and stops the others; on Ctrl-C or SIGTERM it stops them all, trainer first.
@@ -38,9 +39,6 @@ from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-# Start order; stop order is the reverse (the trainer calls the rollout service, which calls
-# the tool and reward services, so callers go first and never see their callees vanish).
-SERVICE_NAMES = ("tool", "reward", "rollout", "trainer")
 STARTUP_TIMEOUT_SECONDS = 120.0
 # Extra time past a service's own shutdown grace before it is killed.
 STOP_SLACK_SECONDS = 5.0
@@ -83,7 +81,7 @@ class ServiceProcess:
 
 
 async def up(config_path: Path | None, overrides: Sequence[str], check: bool) -> int:
-    """`turnrl up`: start all four, print their addresses, supervise until Ctrl-C or a death."""
+    """`turnrl up`: start the services, print their addresses, supervise until Ctrl-C or a death."""
     project = load_project_config(config_path, overrides)
     console = Console()
     stop_requested = _stop_on_signals()
@@ -92,7 +90,7 @@ async def up(config_path: Path | None, overrides: Sequence[str], check: bool) ->
             if check:
                 return await _check(services, console)
             console.print(_table(services, {}))
-            console.print("all four services SERVING; Ctrl-C stops them")
+            console.print(f"{len(services)} services SERVING; Ctrl-C stops them")
             return await _supervise(services, stop_requested, console)
     except ServiceDiedError as e:
         Console(stderr=True).print(f"[red]turnrl up: {e}[/red]", highlight=False)
@@ -103,15 +101,17 @@ async def up(config_path: Path | None, overrides: Sequence[str], check: bool) ->
 
 
 async def run(config_path: Path, overrides: Sequence[str], resume: bool) -> int:
-    """`turnrl run`: start the services, submit the run (StartRun), follow it (StreamProgress)
-    to its end; Ctrl-C stops it after the current step (StopRun, with a checkpoint)."""
+    """`turnrl run`: start the services the config does not point at, submit the run
+    (StartRun), follow it (StreamProgress) to its end; Ctrl-C stops it after the current step
+    (StopRun, with a checkpoint)."""
     project = load_project_config(config_path, overrides)
     console = Console(stderr=True)
     stop_requested = _stop_on_signals()
     try:
         async with local_services(project, config_path, overrides, stop_requested) as services:
             by_name = {service.name: service for service in services}
-            async with rpc.open_channel(by_name["trainer"].client_config()) as channel:
+            trainer = by_name["trainer"].client_config() if "trainer" in by_name else None
+            async with rpc.open_channel(trainer or project.trainer_service) as channel:
                 stub = trainer_pb2_grpc.TrainerServiceStub(channel)
                 request = trainer_pb2.StartRunRequest(
                     config_yaml=_run_config_yaml(project, by_name), resume=resume
@@ -135,10 +135,15 @@ async def run(config_path: Path, overrides: Sequence[str], resume: bool) -> int:
 
 
 def _run_config_yaml(project: ProjectConfig, services: dict[str, "ServiceProcess"]) -> str:
-    """The config for StartRun, pointing the trainer at the services this launcher started."""
+    """The config for StartRun, pointing the trainer at the services this launcher started,
+    and at the rollout service's tool service when only that one is set."""
     data = project.model_dump(mode="json")
-    data["trainer"]["rollout_service"]["address"] = services["rollout"].address
-    data["trainer"]["tool_service"]["address"] = services["tool"].address
+    if "rollout" in services:
+        data["trainer"]["rollout_service"]["address"] = services["rollout"].address
+    if "tool" in services:
+        data["trainer"]["tool_service"]["address"] = services["tool"].address
+    elif "tool_service" not in project.trainer.model_fields_set:
+        data["trainer"]["tool_service"] = data["rollout"]["tool_service"]
     return yaml.safe_dump(data)
 
 
@@ -170,7 +175,7 @@ async def follow_run(
     if final.state == State.STATE_FAILED:
         console.print(f"[red]turnrl run: run failed: {final.error_message}[/red]", highlight=False)
         return 1
-    console.print(_summary_table(Path(final.output_dir)))
+    console.print(_summary_table(final))
     return 0
 
 
@@ -202,9 +207,16 @@ async def _stop_run_on_request(
     await stub.StopRun(trainer_pb2.StopRunRequest(run_name=run_name, save_checkpoint=True))
 
 
-def _summary_table(run_dir: Path) -> Table:
-    summary = json.loads((run_dir / "summary.json").read_text())
-    table = Table(title=f"run summary ({run_dir / 'summary.json'})")
+def _summary_table(run: trainer_pb2.Run) -> Table:
+    """The run's summary.json; the last value of each metric, from GetRun, when the trainer
+    runs on another machine and the file is there."""
+    summary_file = Path(run.output_dir) / "summary.json"
+    if summary_file.is_file():
+        summary = json.loads(summary_file.read_text())
+        table = Table(title=f"run summary ({summary_file})")
+    else:
+        summary = dict(sorted(run.metrics.items()))
+        table = Table(title=f"last metrics of run {run.name!r} ({summary_file} is on the trainer)")
     table.add_column("metric")
     table.add_column("value")
     for name, value in summary.items():
@@ -219,7 +231,8 @@ async def local_services(
     overrides: Sequence[str],
     stop_requested: asyncio.Event,
 ) -> AsyncIterator[list[ServiceProcess]]:
-    """Starts the four services, yields them once all are SERVING, stops them on exit.
+    """Starts the services the config does not point at, yields them once all are SERVING,
+    stops them on exit.
 
     Raises ServiceDiedError, naming the service and its last output, when one fails to start,
     and StartupInterruptedError when `stop_requested` is set first.
@@ -230,7 +243,10 @@ async def local_services(
         "rollout": project.rollout.server,
         "trainer": project.trainer.server,
     }
-    if project.rollout.model_path is None:
+    to_start = project.services_to_start()
+    if ("rollout" in to_start and project.rollout.model_path is None) or (
+        "trainer" in to_start and project.trainer.model_path is None
+    ):
         # Built here, once, so the services load it from the cache instead of racing to build
         # it within their start-up timeout. Imported here: torch would slow every thin client.
         from turnrl.tiny_model import build_tiny_model
@@ -244,9 +260,13 @@ async def local_services(
         for stage in (("tool", "reward"), ("rollout", "trainer")):
             started = [
                 await _spawn(
-                    name, servers[name], config_path, [*overrides, *_peer_addresses(name, services)]
+                    name,
+                    servers[name],
+                    config_path,
+                    [*overrides, *_peer_addresses(name, project, services)],
                 )
                 for name in stage
+                if name in to_start
             ]
             services += started
             ready = asyncio.gather(*(_wait_ready(service) for service in started))
@@ -262,14 +282,18 @@ async def local_services(
         await _stop_all(services)
 
 
-def _peer_addresses(name: str, started: list[ServiceProcess]) -> list[str]:
-    """Overrides pointing service `name` at the services already started."""
+def _peer_addresses(name: str, project: ProjectConfig, started: list[ServiceProcess]) -> list[str]:
+    """Overrides pointing service `name` at the services already started, and the rollout
+    service at the trainer's tool service when the config sets only that one."""
     if name != "rollout":
         return []
     address = {service.name: service.address for service in started}
+    if "tool" not in address and "tool_service" not in project.rollout.model_fields_set:
+        address["tool"] = project.trainer.tool_service.address
     return [
-        f"rollout.tool_service.address={address['tool']}",
-        f"rollout.reward_service.address={address['reward']}",
+        f"rollout.{peer}_service.address={address[peer]}"
+        for peer in ("tool", "reward")
+        if peer in address
     ]
 
 
@@ -404,12 +428,15 @@ async def _check(services: list[ServiceProcess], console: Console) -> int:
         async with rpc.open_channel(service.client_config()) as channel:
             listed[service.name] = await rpc.list_services(channel, timeout_seconds=10.0)
     console.print(_table(services, listed))
-    expected = {f"turnrl.v1.{name.capitalize()}Service" for name in SERVICE_NAMES}
+    expected = {f"turnrl.v1.{service.name.capitalize()}Service" for service in services}
     missing = expected - {name for names in listed.values() for name in names}
     if missing:
         console.print(f"[red]turnrl up --check: not served: {sorted(missing)}[/red]")
         return 1
-    console.print("check passed: four services SERVING over gRPC health, each listed by reflection")
+    console.print(
+        f"check passed: {len(services)} services SERVING over gRPC health, each listed by "
+        "reflection"
+    )
     return 0
 
 

@@ -13,7 +13,12 @@ from reward_svc.config import RewardConfig
 from rollout_svc.config import RolloutConfig
 from tool_svc.config import ToolConfig
 from trainer_svc.config import TrainerConfig
-from turnrl.config import StrictModel, load_config_data, validate_config
+from turnrl.config import ClientConfig, StrictModel, load_config_data, validate_config
+from turnrl.errors import ConfigError
+
+# Start order; stop order is the reverse (the trainer calls the rollout service, which calls
+# the tool and reward services, so callers go first and never see their callees vanish).
+SERVICE_NAMES = ("tool", "reward", "rollout", "trainer")
 
 
 class ProjectConfig(StrictModel):
@@ -27,6 +32,48 @@ class ProjectConfig(StrictModel):
     trainer: TrainerConfig = Field(
         default_factory=TrainerConfig, description="The trainer service."
     )
+    trainer_service: ClientConfig | None = Field(
+        default=None,
+        description="A trainer service already running, which `turnrl run` submits to; None: "
+        "`turnrl run` starts one.",
+    )
+
+    def services_to_start(self) -> list[str]:
+        """The services `turnrl up` and `turnrl run` start, in start order: those this config
+        does not point at.
+
+        A service is pointed at when a caller's address for it is set in the file or the
+        overrides: the trainer by `trainer_service`, the rollout service by
+        `trainer.rollout_service`, the tool service by `trainer.tool_service` or
+        `rollout.tool_service`, the reward service by `rollout.reward_service` (or when the
+        rollout service is, as only it calls the reward service). Raises ConfigError when a
+        service that runs elsewhere would have to call one started here, on this machine's
+        loopback.
+        """
+        pointed_at = {
+            "trainer": self.trainer_service is not None,
+            "rollout": "rollout_service" in self.trainer.model_fields_set,
+            "tool": bool(
+                {"tool_service"} & (self.trainer.model_fields_set | self.rollout.model_fields_set)
+            ),
+            "reward": "reward_service" in self.rollout.model_fields_set,
+        }
+        if pointed_at["trainer"]:
+            local_callees = [name for name in ("rollout", "tool") if not pointed_at[name]]
+            if local_callees:
+                raise ConfigError(
+                    "trainer_service points at a trainer elsewhere, which cannot reach services "
+                    "started here: also set "
+                    + " and ".join(f"trainer.{name}_service" for name in local_callees)
+                )
+        if pointed_at["rollout"]:
+            if not pointed_at["tool"]:
+                raise ConfigError(
+                    "trainer.rollout_service points at a rollout service elsewhere: also set "
+                    "trainer.tool_service to the tool service it calls"
+                )
+            pointed_at["reward"] = True
+        return [name for name in SERVICE_NAMES if not pointed_at[name]]
 
 
 def load_project_config(path: Path | None, overrides: Sequence[str] = ()) -> ProjectConfig:

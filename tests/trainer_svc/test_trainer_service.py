@@ -20,7 +20,14 @@ from turnrl import rpc
 from turnrl.config import ClientConfig
 from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
 
-from ..conftest import EXAMPLE_CONFIG, FREE_PORTS, SERVICE_NAMES, UP_TABLE_ROW, spawn_turnrl
+from ..conftest import (
+    EXAMPLE_CONFIG,
+    FREE_PORTS,
+    SERVICE_NAMES,
+    UP_TABLE_ROW,
+    serve_subprocess,
+    spawn_turnrl,
+)
 
 State = trainer_pb2.Run.State
 # A run small enough for a test: 2 prompts x 4 samples per step, 8 held-out prompts.
@@ -207,9 +214,18 @@ async def test_turnrl_run_killed_and_resumed_reproduces_the_next_step(tiny_model
         "trainer.optim.learning_rate=0.001",
     ]
     run = ["run", "--config", str(EXAMPLE_CONFIG), *overrides]
-    reference = await spawn_turnrl(*run, "trainer.run_name=whole")
-    _, stderr = await reference.communicate()
+    # The uninterrupted run uses tool and reward services of its own, which `turnrl run` then
+    # does not start; the crashed one starts all four.
+    async with serve_subprocess("tool") as tool, serve_subprocess("reward") as reward:
+        reference = await spawn_turnrl(
+            *run,
+            "trainer.run_name=whole",
+            f"trainer.tool_service.address={tool.address}",
+            f"rollout.reward_service.address={reward.address}",
+        )
+        _, stderr = await reference.communicate()
     assert reference.returncode == 0, stderr.decode()[-3000:]
+    assert "[rollout]" in stderr.decode() and "[tool]" not in stderr.decode()
 
     crashed = await spawn_turnrl(*run, "trainer.run_name=crashed")
     checkpoint = tmp_path / "crashed" / "checkpoints" / "step_000002"

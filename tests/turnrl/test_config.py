@@ -126,3 +126,44 @@ def test_client_certificate_needs_key_and_ca(tmp_path):
         ClientConfig(address="x:1", tls_cert_file=tmp_path / "c.pem")
     with pytest.raises(ValidationError, match="needs tls_ca_file"):
         ClientConfig(address="x:1", tls_cert_file=tmp_path / "c", tls_key_file=tmp_path / "k")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "started"),
+    [
+        ([], ["tool", "reward", "rollout", "trainer"]),
+        (["rollout.tool_service.address=10.0.0.2:1"], ["reward", "rollout", "trainer"]),
+        (["trainer.tool_service.address=10.0.0.2:1"], ["reward", "rollout", "trainer"]),
+        (["rollout.reward_service.address=10.0.0.3:1"], ["tool", "rollout", "trainer"]),
+        # An external rollout service calls its own reward service: none is started here.
+        (
+            ["trainer.rollout_service.address=10.0.0.4:1", "trainer.tool_service.address=h:1"],
+            ["trainer"],
+        ),
+        (
+            [
+                "trainer_service.address=10.0.0.5:1",
+                "trainer.rollout_service.address=10.0.0.4:1",
+                "trainer.tool_service.address=10.0.0.2:1",
+            ],
+            [],
+        ),
+    ],
+)
+def test_services_to_start_are_those_the_config_does_not_point_at(overrides, started):
+    assert load_project_config(None, overrides).services_to_start() == started
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.rollout_service.address=10.0.0.4:1"], "also set trainer.tool_service"),
+        (
+            ["trainer_service.address=10.0.0.5:1", "trainer.tool_service.address=10.0.0.2:1"],
+            "also set trainer.rollout_service",
+        ),
+    ],
+)
+def test_an_external_caller_of_a_local_service_is_rejected(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_project_config(None, overrides).services_to_start()
