@@ -7,6 +7,7 @@ back, with FINISH_REASON_ABORTED and the tokens they had.
 """
 
 import asyncio
+import contextlib
 import importlib
 import itertools
 import logging
@@ -199,11 +200,31 @@ class RolloutService:
     async def update_weights(
         self, group_name: str, metas: list[TensorMeta], bucket_size_bytes: int, policy_version: int
     ) -> tuple[int, int, float]:
-        """Receives broadcast weights and loads them; (version, bytes, seconds)."""
+        """Receives broadcast weights and loads each bucket while the next one arrives;
+        (version, bytes, seconds).
+
+        The engine takes `policy_version` with the last bucket, so a broadcast that breaks
+        off leaves the old version on the weights loaded so far (the next push, being newer,
+        replaces all of them). Tensors the engine would refuse are received and dropped, so
+        the trainer's broadcast still completes, and the refusal is raised after.
+        """
         self._check_version(policy_version)
         started = time.monotonic()
-        tensors = await self._receiver.receive(group_name, metas, bucket_size_bytes)
-        await self._load(tensors, policy_version)
+        try:
+            self._engine.check_weights(metas)
+            refusal = None
+        except InvalidArgumentError as e:
+            refusal = e
+        buckets = self._receiver.receive(group_name, metas, bucket_size_bytes)
+        async with self._paused_engine():
+            old_version, loaded = self._engine.policy_version, 0
+            async for bucket in buckets:
+                if refusal is None:
+                    loaded += len(bucket)
+                    version = policy_version if loaded == len(metas) else old_version
+                    await self._load(bucket, version)
+        if refusal is not None:
+            raise refusal
         size = sum(meta.nbytes for meta in metas)
         return self._engine.policy_version, size, time.monotonic() - started
 
@@ -218,7 +239,8 @@ class RolloutService:
         assembler = ChunkAssembler(metas)
         async for index, offset, data in chunks:
             assembler.add(index, offset, data)
-        await self._load(assembler.tensors(), policy_version)
+        async with self._paused_engine():
+            await self._load(assembler.tensors(), policy_version)
         return self._engine.policy_version, assembler.bytes_received
 
     def stats(self) -> dict[str, Any]:
@@ -253,17 +275,23 @@ class RolloutService:
                 f"{self._engine.policy_version}"
             )
 
-    async def _load(self, tensors: list[tuple[str, torch.Tensor]], policy_version: int) -> None:
+    @contextlib.asynccontextmanager
+    async def _paused_engine(self) -> AsyncIterator[None]:
+        """The engine paused for a weight load, unless a Pause call paused it already."""
         was_paused = self._paused
         if not was_paused:
             await self._engine.pause()
         try:
-            await self._engine.update_weights(tensors, policy_version)
-        except ValueError as e:
-            raise InvalidArgumentError(str(e)) from e
+            yield
         finally:
             if not was_paused:
                 await self._engine.resume()
+
+    async def _load(self, tensors: list[tuple[str, torch.Tensor]], policy_version: int) -> None:
+        try:
+            await self._engine.update_weights(tensors, policy_version)
+        except ValueError as e:
+            raise InvalidArgumentError(str(e)) from e
 
 
 def _build_interaction(entry: InteractionEntry) -> Interaction:

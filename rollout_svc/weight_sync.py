@@ -8,6 +8,7 @@ Collective calls block, so they run in a worker thread, never on the event loop.
 
 import asyncio
 import datetime
+from collections.abc import AsyncIterator
 
 import torch
 import torch.distributed as dist
@@ -65,10 +66,13 @@ class WeightReceiver:
 
     async def receive(
         self, group_name: str, metas: list[TensorMeta], bucket_size_bytes: int
-    ) -> list[tuple[str, torch.Tensor]]:
-        """Receives one update broadcast by rank 0, bucket by bucket, in `metas` order. The
-        tensors are views of a staging buffer that the next update overwrites: load (copy)
-        them before receiving again."""
+    ) -> AsyncIterator[list[tuple[str, torch.Tensor]]]:
+        """Receives one update broadcast by rank 0 and yields it bucket by bucket, in `metas`
+        order: each bucket as soon as it has arrived, while the next one is received, so that
+        loading one overlaps receiving the next. The tensors are views of a staging buffer
+        that the next update overwrites: load (copy) them before receiving again. A caller that
+        stops early still receives the rest (unyielded), so the trainer's broadcast completes.
+        """
         if self._group is None or group_name != self._group_name:
             raise FailedPreconditionError(
                 f"no weight-sync group {group_name!r}; call InitWeightSync first"
@@ -78,21 +82,41 @@ class WeightReceiver:
                 f"bucket_size_bytes must be positive, got {bucket_size_bytes}"
             )
         group = self._group
-        buckets = plan_buckets(metas, bucket_size_bytes)
+        buckets = [[metas[i] for i in bucket] for bucket in plan_buckets(metas, bucket_size_bytes)]
+        sizes = [sum(meta.nbytes for meta in bucket) for bucket in buckets]
         # Every bucket starts 64-byte aligned, as a fresh buffer would, so its dtype views work.
-        spans = [-(-sum(metas[i].nbytes for i in bucket) // 64) * 64 for bucket in buckets]
-        if self._staging.numel() < sum(spans):
-            self._staging = torch.empty(sum(spans), dtype=torch.uint8, device=self._device)
-        received: list[tuple[str, torch.Tensor]] = []
-        offset = 0
-        for bucket, span in zip(buckets, spans, strict=True):
-            bucket_metas = [metas[i] for i in bucket]
-            size = sum(meta.nbytes for meta in bucket_metas)
-            flat = self._staging[offset : offset + size]
-            offset += span
-            await asyncio.to_thread(_broadcast_from_trainer, group, flat)
-            received += zip((m.name for m in bucket_metas), unpack(flat, bucket_metas), strict=True)
-        return received
+        starts = [0]
+        for size in sizes:
+            starts.append(starts[-1] + -(-size // 64) * 64)
+        if self._staging.numel() < starts[-1]:
+            self._staging = torch.empty(starts[-1], dtype=torch.uint8, device=self._device)
+        flats = [
+            self._staging[start : start + size]
+            for start, size in zip(starts[:-1], sizes, strict=True)
+        ]
+
+        def receive(index: int) -> asyncio.Future | None:
+            """Starts receiving bucket `index` in a worker thread; None past the last."""
+            if index == len(flats):
+                return None
+            return asyncio.ensure_future(
+                asyncio.to_thread(_broadcast_from_trainer, group, flats[index])
+            )
+
+        index, receiving = 0, receive(0)
+        try:
+            for index, bucket in enumerate(buckets):
+                # Taken off `receiving` first: a broadcast that fails leaves nothing to drain.
+                current, receiving = receiving, None
+                await current
+                receiving = receive(index + 1)
+                yield list(zip((m.name for m in bucket), unpack(flats[index], bucket), strict=True))
+        finally:
+            while receiving is not None:
+                current, receiving = receiving, None
+                await current
+                index += 1
+                receiving = receive(index + 1)
 
 
 def _broadcast_from_trainer(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:

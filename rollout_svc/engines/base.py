@@ -6,11 +6,13 @@ precisely the tokens the policy sampled.
 """
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+from turnrl.weights import TensorMeta
 
 
 @dataclass(frozen=True)
@@ -74,10 +76,15 @@ class Engine(Protocol):
     async def resume(self) -> None:
         """Continues decoding after pause()."""
 
+    def check_weights(self, metas: Sequence[TensorMeta]) -> None:
+        """Raises InvalidArgumentError when update_weights would refuse these tensors (a name
+        the model lacks, another shape), before any is sent."""
+
     async def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], policy_version: int
     ) -> None:
-        """Loads new weights (engine paused by the caller) and takes `policy_version`."""
+        """Loads new weights (engine paused by the caller) and takes `policy_version`. An
+        update may come in several calls, one per bucket as it arrives."""
 
     def stats(self) -> dict[str, float]:
         """Current engine metrics: running requests, queued requests, KV cache use, ..."""

@@ -32,7 +32,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Self
 
@@ -45,6 +45,7 @@ from rollout_svc.engines.base import FinishReason, GenerateOutput, SamplingParam
 from rollout_svc.engines.hf_cache import BatchKv, Kv, SessionKvStore
 from turnrl.config import StrictModel
 from turnrl.errors import AlreadyExistsError, FailedPreconditionError, InvalidArgumentError
+from turnrl.weights import TensorMeta
 
 logger = logging.getLogger(__name__)
 
@@ -430,6 +431,24 @@ class HfEngine:
         """
         await self._call_in_worker(lambda: self._load_weights(list(named_tensors), policy_version))
 
+    def check_weights(self, metas: Sequence[TensorMeta]) -> None:
+        """Raises InvalidArgumentError naming the first tensor the model has no parameter
+        for, or whose parameter has another shape."""
+        self._check_shapes((meta.name, meta.shape) for meta in metas)
+
+    def _check_shapes(self, shapes: Iterable[tuple[str, tuple[int, ...]]]) -> None:
+        parameters = dict(self._model.named_parameters(remove_duplicate=False))
+        for name, shape in shapes:
+            if name not in parameters:
+                raise InvalidArgumentError(
+                    f"unknown parameter {name!r}; the model has no such name"
+                )
+            if tuple(shape) != tuple(parameters[name].shape):
+                raise InvalidArgumentError(
+                    f"parameter {name!r} has shape {tuple(parameters[name].shape)}, "
+                    f"got {tuple(shape)}"
+                )
+
     def stats(self) -> dict[str, float]:
         """running, waiting, paused (0/1), policy_version, cached_sessions, session_kv_bytes,
         running_kv_bytes (allocated), session_evictions, and the running totals
@@ -728,17 +747,8 @@ class HfEngine:
     def _load_weights(
         self, named_tensors: list[tuple[str, torch.Tensor]], policy_version: int
     ) -> None:
+        self._check_shapes((name, tuple(tensor.shape)) for name, tensor in named_tensors)
         parameters = dict(self._model.named_parameters(remove_duplicate=False))
-        for name, tensor in named_tensors:
-            if name not in parameters:
-                raise InvalidArgumentError(
-                    f"unknown parameter {name!r}; the model has no such name"
-                )
-            if tensor.shape != parameters[name].shape:
-                raise InvalidArgumentError(
-                    f"parameter {name!r} has shape {tuple(parameters[name].shape)}, "
-                    f"got {tuple(tensor.shape)}"
-                )
         for name, tensor in named_tensors:
             parameters[name].copy_(tensor)
         self._policy_version = policy_version

@@ -51,6 +51,7 @@ from turnrl.errors import (
     UnavailableError,
 )
 from turnrl.http_json import MAX_ERROR_BODY_CHARS
+from turnrl.weights import TensorMeta
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,12 @@ DEFAULT_GROUP_NAME = "weight_update_group"
 RETRY_BASE_SECONDS = 0.1
 RETRY_MAX_SECONDS = 2.0
 PR_SET_PDEATHSIG = 1
+UPDATE_WEIGHTS_UNSUPPORTED = (
+    "the SGLang engine receives weights over the distributed group: call "
+    "init_weight_sync() once, then update_weights_from_distributed() per bucket while "
+    "the trainer broadcasts (SGLang's /update_weights_from_tensor takes CUDA IPC "
+    "handles, which only a process on the same GPUs can make)"
+)
 
 ReplyT = TypeVar("ReplyT", bound=BaseModel)
 
@@ -372,16 +379,15 @@ class SglangEngine:
         await self._weight_sync_call("/update_weights_from_distributed", body)
         self._policy_version = policy_version
 
+    def check_weights(self, metas: Sequence[TensorMeta]) -> None:
+        """Not supported, as update_weights is not."""
+        raise NotImplementedError(UPDATE_WEIGHTS_UNSUPPORTED)
+
     async def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], policy_version: int
     ) -> None:
         """Not supported: see the NotImplementedError message."""
-        raise NotImplementedError(
-            "the SGLang engine receives weights over the distributed group: call "
-            "init_weight_sync() once, then update_weights_from_distributed() per bucket while "
-            "the trainer broadcasts (SGLang's /update_weights_from_tensor takes CUDA IPC "
-            "handles, which only a process on the same GPUs can make)"
-        )
+        raise NotImplementedError(UPDATE_WEIGHTS_UNSUPPORTED)
 
     def stats(self) -> dict[str, float]:
         """Counts kept by this client: requests running now, finished, aborted, tokens made."""

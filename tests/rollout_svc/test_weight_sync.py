@@ -53,17 +53,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def trainer_rank_zero(port: int, tensors: dict[str, torch.Tensor], bucket_size: int) -> None:
-    """What the trainer's rank 0 does: host the store, broadcast the buckets."""
+def trainer_rank_zero(port: int, updates: list[dict[str, torch.Tensor]], bucket_size: int) -> None:
+    """What the trainer's rank 0 does: host the store, broadcast each update's buckets."""
     timeout = datetime.timedelta(seconds=30)
     store = dist.TCPStore("127.0.0.1", port, 2, True, timeout)
     group = dist.ProcessGroupGloo(store, 0, 2, timeout)
-    values = list(tensors.values())
-    for bucket in plan_buckets(metas_of(tensors), bucket_size):
-        flat = pack([values[i] for i in bucket])
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        group.broadcast([flat], options).wait()
+    for tensors in updates:
+        values = list(tensors.values())
+        for bucket in plan_buckets(metas_of(tensors), bucket_size):
+            flat = pack([values[i] for i in bucket])
+            options = dist.BroadcastOptions()
+            options.rootRank = 0
+            group.broadcast([flat], options).wait()
 
 
 def test_unpack_copes_with_tensors_at_unaligned_offsets():
@@ -76,12 +77,16 @@ def test_unpack_copes_with_tensors_at_unaligned_offsets():
 
 async def test_receives_a_gloo_broadcast_from_rank_zero():
     tensors, port, bucket_size = state_dict(), free_port(), 2048
-    trainer = threading.Thread(target=trainer_rank_zero, args=(port, tensors, bucket_size))
+    trainer = threading.Thread(target=trainer_rank_zero, args=(port, [tensors], bucket_size))
     trainer.start()
     receiver = WeightReceiver()
     await receiver.join("127.0.0.1", port, 2, 1, "gloo", "weights", timeout_seconds=30)
-    received = await receiver.receive("weights", metas_of(tensors), bucket_size)
+    buckets = [
+        bucket async for bucket in receiver.receive("weights", metas_of(tensors), bucket_size)
+    ]
     await asyncio.to_thread(trainer.join)
+    assert len(buckets) > 1
+    received = [named for bucket in buckets for named in bucket]
     assert [name for name, _ in received] == list(tensors)
     for (_, got), expected in zip(received, tensors.values(), strict=True):
         assert torch.equal(got, expected) and got.dtype == expected.dtype
@@ -98,7 +103,28 @@ async def test_bad_group_settings_are_invalid(backend, rank, message):
 
 async def test_receive_without_a_group_is_a_failed_precondition():
     with pytest.raises(FailedPreconditionError, match="no weight-sync group 'weights'"):
-        await WeightReceiver().receive("weights", metas_of(state_dict()), 1024)
+        await anext(WeightReceiver().receive("weights", metas_of(state_dict()), 1024))
+
+
+async def test_a_receiver_that_stops_early_still_receives_the_whole_update():
+    # The rest of a stopped update is received and dropped, so the next one lines up.
+    first, second = state_dict(), {name: t + 1 for name, t in state_dict().items()}
+    port, bucket_size = free_port(), 2048
+    trainer = threading.Thread(target=trainer_rank_zero, args=(port, [first, second], bucket_size))
+    trainer.start()
+    receiver = WeightReceiver()
+    await receiver.join("127.0.0.1", port, 2, 1, "gloo", "weights", timeout_seconds=30)
+    stopped = receiver.receive("weights", metas_of(first), bucket_size)
+    await anext(stopped)
+    await stopped.aclose()  # as a load that fails on the first bucket does
+    received = [
+        named
+        async for bucket in receiver.receive("weights", metas_of(second), bucket_size)
+        for named in bucket
+    ]
+    await asyncio.wait_for(asyncio.to_thread(trainer.join), timeout=30)
+    for (_, got), expected in zip(received, second.values(), strict=True):
+        assert torch.equal(got, expected)
 
 
 async def test_join_times_out_naming_the_address():
