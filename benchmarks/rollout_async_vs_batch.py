@@ -1,8 +1,10 @@
 """Request-level vs batch-level multi-turn rollout, and the hf engine against `model.generate`.
 
 Both rollouts run the same calculator word problems through a RolloutService on the same hf
-engine (the tiny calculator model, greedy, so both produce the same tokens), calling the real
-tool service on loopback. Its calculator first waits a heavy-tailed time: lognormal, median
+engine (greedy, so both produce the same tokens), calling the real tool service on loopback.
+The problems take five or six operations, and the engine runs a tiny calculator model trained
+to make one call per operation (built on first use, about 3 minutes, then cached), so a
+trajectory has five or six tool rounds, as an agent's often do. Its calculator first waits a heavy-tailed time: lognormal, median
 50 ms, p99 1 s, the same wait for the same (prompt, call) in both modes.
 
 (a) batch level, what verl's original rollout did: every trajectory generates its turn, then
@@ -53,10 +55,10 @@ from tool_svc.service import ToolService
 from tool_svc.tools.base import ToolResult
 from tool_svc.tools.calculator import CalculatorOptions, CalculatorTool
 from turnrl import rpc
-from turnrl.calculator_data import TOOLS, generate_problems
+from turnrl.calculator_data import TOOLS, ProblemSettings, generate_problems
 from turnrl.chat_tokens import ConversationTokens
 from turnrl.config import ClientConfig, ServerConfig
-from turnrl.tiny_model import build_tiny_model
+from turnrl.tiny_model import TinyModelSettings, build_tiny_model
 from turnrl.trajectory import Trajectory
 from turnrl.v1 import tool_pb2, tool_pb2_grpc
 
@@ -65,6 +67,10 @@ MEDIAN_TOOL_SECONDS = 0.05
 P99_TOOL_SECONDS = 1.0
 # The p99 of a lognormal is its median times exp(2.326 * sigma).
 TOOL_SIGMA = math.log(P99_TOOL_SECONDS / MEDIAN_TOOL_SECONDS) / 2.326
+MODEL_SETTINGS = TinyModelSettings(
+    problems=ProblemSettings(min_operations=2, max_operations=6, one_call_per_operation=True)
+)
+PROBLEMS = ProblemSettings(min_operations=5, max_operations=6, one_call_per_operation=True)
 
 
 class SlowCalculatorOptions(CalculatorOptions):
@@ -211,7 +217,7 @@ def calculator_prompts(count: int, draw: int) -> list[PromptSpec]:
             tools_kwargs={TOOL_NAME: {"create_kwargs": {"latency_key": f"{draw}/p{index}"}}},
             data_source="openai/gsm8k",
         )
-        for index, problem in enumerate(generate_problems(count, split="test"))
+        for index, problem in enumerate(generate_problems(count, split="test", settings=PROBLEMS))
     ]
 
 
@@ -355,7 +361,7 @@ async def decode_speed(
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=64, help="trajectories per rollout")
-    parser.add_argument("--max-turns", type=int, default=3)
+    parser.add_argument("--max-turns", type=int, default=7)
     parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens of one turn")
     parser.add_argument(
         "--draws", type=int, default=5, help="tool-wait draws, each run in both modes"
@@ -369,7 +375,7 @@ async def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     # The tiny model runs fastest on one thread, which leaves the other core to the event loop.
     torch.set_num_threads(args.torch_threads)
-    model_path = str(await asyncio.to_thread(build_tiny_model))
+    model_path = str(await asyncio.to_thread(build_tiny_model, settings=MODEL_SETTINGS))
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_path)
     engine = await HfEngine.create(
         HfEngineOptions(model_path=model_path, max_batch_size=args.prompts)

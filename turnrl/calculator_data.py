@@ -12,7 +12,9 @@ chat templates render):
 
 A problem has 1-3 operations (+, -, *, //) applied in order to a running count. One operation
 takes one tool call; more take two, the second applying the last operation to the first
-call's result, so the model has to carry a tool result into its next call. The final answer
+call's result, so the model has to carry a tool result into its next call. With
+`one_call_per_operation` every operation is its own call on the previous call's result, so a
+problem of k operations takes k tool rounds (the rollout benchmark's long trajectories). The final answer
 is written `#### N`, the GSM8K form the reward service's `gsm8k` scorer grades strictly;
 `final_answer` reads it back.
 
@@ -90,6 +92,8 @@ class ProblemSettings:
     """Largest starting count and largest amount added or taken away."""
     max_factor: int = 9
     """Largest multiplier and divisor (the smallest is 2)."""
+    one_call_per_operation: bool = False
+    """Each operation its own calculator call; else at most two calls (see the module doc)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_operations <= self.max_operations:
@@ -180,8 +184,14 @@ def _draw_problem(rng: random.Random, settings: ProblemSettings) -> CalculatorPr
         sentences.append(template.format(p=pronoun, n=operand).capitalize())
     sentences.append(f"How many {item} does {pronoun} have now?")
     question = " ".join(sentences)
-    # One call for one step; else the steps but the last, then the last step applied to that.
-    if len(steps) == 1:
+    # One call per step when asked, or for one step; else the steps but the last, then the
+    # last step applied to that.
+    if settings.one_call_per_operation:
+        calls = [
+            (_chain(str(value), [step]), result)
+            for value, step, result in zip(values[:-1], steps, values[1:], strict=True)
+        ]
+    elif len(steps) == 1:
         calls = [(_chain(str(start), steps), values[-1])]
     else:
         calls = [(_chain(str(start), steps[:-1]), values[-2])]

@@ -24,7 +24,7 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from turnrl.calculator_data import TOOLS, generate_problems
+from turnrl.calculator_data import TOOLS, ProblemSettings, generate_problems
 from turnrl.config import cache_dir, fixtures_dir
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,8 @@ class TinyModelSettings:
     """Longest sequence the model is configured for, in tokens."""
     train_problems: int = 4000
     """Conversations fine-tuned on (they also train the tokenizer)."""
+    problems: ProblemSettings = field(default_factory=ProblemSettings)
+    """The shape of those conversations' problems."""
     train_steps: int = 2000
     batch_size: int = 16
     """Conversations per optimizer step."""
@@ -93,7 +95,9 @@ def build_tiny_model(
     settings = settings or TinyModelSettings()
     models_dir = models_dir or cache_dir() / "tiny_models"
     chat_template = (fixtures_dir() / CHAT_TEMPLATE_FILE).read_text()
-    problems = generate_problems(settings.train_problems, seed=seed, split="train")
+    problems = generate_problems(
+        settings.train_problems, seed=seed, split="train", settings=settings.problems
+    )
     conversations = [problem.messages for problem in problems]
     key = _cache_key(settings, seed, chat_template, conversations)
     target = models_dir / f"qwen3-calculator-{key}"
