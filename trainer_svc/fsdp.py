@@ -1,4 +1,7 @@
-"""The trainer's model back end: a transformers causal LM under FSDP2, its logprobs and train step.
+"""The trainer's model back end: transformers models under FSDP2, their forward passes and train
+steps. `FsdpModel` holds what every trained model needs (sharding, AdamW, LR schedule,
+micro-batches, the step, checkpoint state); `FsdpPolicy` is the causal LM and its logprobs;
+`trainer_svc.critic.FsdpCritic` is the value model.
 
 Launched by torchrun, every rank holds a shard of the model, from `fully_shard` on each decoder
 layer and then the root, as torchtitan's `apply_fsdp_to_decoder` does; in a plain single
@@ -11,10 +14,11 @@ on every micro-batch, and makes FSDP's mean of the ranks' gradients a sum.
 
 The loss_fn contract of `train_step`:
 
-    loss_fn(micro: Batch, logprobs: Tensor, entropy: Tensor | None) -> (loss, metrics)
+    FsdpPolicy:  loss_fn(micro: Batch, logprobs: Tensor, entropy: Tensor | None) -> (loss, metrics)
+    FsdpCritic:  loss_fn(micro: Batch, values: Tensor) -> (loss, metrics)
 
-`micro` holds some rows of this rank's batch, trimmed to its longest row; `logprobs` and
-`entropy` are (rows, length) and carry gradients. `loss` is this micro-batch's share of the
+`micro` holds some rows of this rank's batch, trimmed to its longest row; `logprobs`,
+`entropy` and `values` are (rows, length) and carry gradients. `loss` is this micro-batch's share of the
 whole step's loss: its sum over the micro-batch divided by batch-global counts
 (`micro.global_token_count`, `micro.global_sequence_count`), never by micro-batch counts, so
 the shares add up to the full-batch loss. `metrics` are this micro-batch's means (e.g. a clip
@@ -239,14 +243,15 @@ def token_logprobs(
     return F.pad(picked, (1, 0)), F.pad(entropy, (1, 0))
 
 
-class FsdpPolicy:
-    """The trained policy: model, AdamW and LR schedule, sharded under torchrun.
+class FsdpModel:
+    """A transformers model with AdamW and its LR schedule, sharded under torchrun: what the
+    policy and the critic share. Subclasses load the model and define its forward pass.
 
     The model is loaded in fp32 on every rank, then sharded; a model too large for one device
     needs meta-device init first (not done here).
     """
 
-    def __init__(self, model_path: str | Path, settings: TrainSettings) -> None:
+    def __init__(self, model: PreTrainedModel, settings: TrainSettings) -> None:
         self.settings = settings
         joined_a_group = dist.is_initialized()
         self.rank, self.world_size = init_distributed()
@@ -256,7 +261,6 @@ class FsdpPolicy:
         if torch.cuda.is_available():
             self.device = torch.device("cuda", dist.get_node_local_rank(fallback_rank=0))
             torch.cuda.set_device(self.device)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         if settings.activation_checkpointing:
             # transformers checkpoints each layer's `forward`, inside FSDP2's hooks, so the
             # recompute runs on the parameters FSDP gathers for the backward pass anyway.
@@ -275,25 +279,64 @@ class FsdpPolicy:
             self.optimizer, partial(lr_factor, settings=settings)
         )
 
-    def logprobs(self, batch: Batch, *, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-        """Logprob (and entropy) of each token given its prefix, (rows, length) like the batch,
-        on the batch's device; column 0 and padding get 0."""
+    def state_dict_for_checkpoint(self) -> dict[str, Any]:
+        """Model, optimizer and scheduler state, unsharded on CPU, for `torch.save` by rank 0.
+
+        Under FSDP only rank 0's model and optimizer entries are filled; a checkpoint written
+        by any number of ranks loads with any other number.
+        """
+        model_state, optimizer_state = get_state_dict(
+            self.model, self.optimizer, options=FULL_ON_CPU
+        )
+        scheduler_state = self.scheduler.state_dict()
+        return {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler_state}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Restores `state_dict_for_checkpoint`'s output; every rank passes the whole of it."""
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=StateDictOptions(full_state_dict=True),
+        )
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def close(self) -> None:
+        """Leaves the process group, if this model made it."""
+        if self._owns_process_group:
+            dist.destroy_process_group()
+            self._owns_process_group = False
+
+    def _per_token(
+        self, batch: Batch, forward: Callable[[Batch], tuple[Tensor | None, ...]]
+    ) -> list[Tensor | None]:
+        """`forward`'s (rows, length) outputs on every micro-batch, without gradients, put
+        back together as (rows, length) tensors like the batch, on the batch's device; an
+        output `forward` gives as None stays None."""
         self.model.eval()
-        logprobs = torch.zeros(batch.input_ids.shape, device=batch.input_ids.device)
-        entropy = torch.zeros_like(logprobs) if with_entropy else None
+        outputs: list[Tensor | None] = []
         with torch.no_grad():
             for rows, micro, _ in self._micro_batches(batch):
-                micro_logprobs, micro_entropy = self._forward(micro, with_entropy)
+                micro_outputs = forward(micro)
+                if not outputs:
+                    outputs = [
+                        None
+                        if part is None
+                        else torch.zeros(batch.input_ids.shape, device=batch.input_ids.device)
+                        for part in micro_outputs
+                    ]
                 length = micro.input_ids.shape[1]
-                logprobs[rows, :length] = micro_logprobs.to(logprobs.device)
-                if entropy is not None:
-                    entropy[rows, :length] = micro_entropy.to(entropy.device)
-        return logprobs, entropy
+                for whole, part in zip(outputs, micro_outputs, strict=True):
+                    if whole is not None:
+                        whole[rows, :length] = part.to(whole.device)
+        return outputs
 
-    def train_step(
-        self, batch: Batch, loss_fn: LossFn, *, with_entropy: bool = False
+    def _train_step(
+        self, batch: Batch, micro_loss: Callable[[Batch], tuple[Tensor, dict[str, float]]]
     ) -> dict[str, float]:
-        """One optimizer step on this rank's `batch` (see the module docstring for `loss_fn`).
+        """One optimizer step on this rank's `batch`; `micro_loss` runs the forward pass and the
+        loss_fn of one micro-batch (see the module docstring).
 
         Returns the step's metrics, equal on all ranks: `loss` (the full-batch loss), the
         pre-clip `grad_norm`, the `lr` used, and loss_fn's metrics weighted by loss tokens. A
@@ -308,8 +351,7 @@ class FsdpPolicy:
         )
         loss_total, token_weight, weighted = 0.0, 0.0, {}
         for _, micro, is_filler in self._micro_batches(batch):
-            logprobs, entropy = self._forward(micro, with_entropy)
-            loss, metrics = loss_fn(micro, logprobs, entropy)
+            loss, metrics = micro_loss(micro)
             if is_filler:
                 loss = loss * 0.0
             # FSDP averages gradients over ranks; these shares are of all ranks' batch, so
@@ -337,55 +379,6 @@ class FsdpPolicy:
         }
         return {**metrics, "loss": loss_total, "grad_norm": grad_norm, "lr": lr}
 
-    def full_state_dict(self) -> dict[str, Tensor]:
-        """Unsharded fp32 weights on CPU under the model's Hugging Face names, a snapshot that
-        later steps leave alone. Under FSDP only rank 0 gets them; other ranks get {}."""
-        state = get_model_state_dict(self.model, options=FULL_ON_CPU)
-        if self.is_sharded:
-            return state
-        # Plain on CPU, the tensors are the live parameters.
-        return {name: tensor.detach().clone() for name, tensor in state.items()}
-
-    def state_dict_for_checkpoint(self) -> dict[str, Any]:
-        """Model, optimizer and scheduler state, unsharded on CPU, for `torch.save` by rank 0.
-
-        Under FSDP only rank 0's model and optimizer entries are filled; a checkpoint written
-        by any number of ranks loads with any other number.
-        """
-        model_state, optimizer_state = get_state_dict(
-            self.model, self.optimizer, options=FULL_ON_CPU
-        )
-        scheduler_state = self.scheduler.state_dict()
-        return {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler_state}
-
-    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        """Restores `state_dict_for_checkpoint`'s output; every rank passes the whole of it."""
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-            options=StateDictOptions(full_state_dict=True),
-        )
-        self.scheduler.load_state_dict(state["scheduler"])
-
-    def save_pretrained(self, folder: str | Path, tokenizer_dir: str | Path | None = None) -> None:
-        """Writes the model in Hugging Face format (config, safetensors) into `folder` on rank 0,
-        with the tokenizer files of `tokenizer_dir` copied beside it."""
-        state = self.full_state_dict()
-        if self.rank != 0:
-            return
-        self.model.save_pretrained(folder, state_dict=state)
-        for name in TOKENIZER_FILES if tokenizer_dir else ():
-            if (Path(tokenizer_dir) / name).is_file():
-                shutil.copy2(Path(tokenizer_dir) / name, Path(folder) / name)
-
-    def close(self) -> None:
-        """Leaves the process group, if this policy made it."""
-        if self._owns_process_group:
-            dist.destroy_process_group()
-            self._owns_process_group = False
-
     def _micro_batches(self, batch: Batch) -> Iterator[tuple[list[int], Batch, bool]]:
         """(rows, micro-batch, is_filler) in order. Under FSDP every rank runs as many
         micro-batches as the rank with most, since each forward gathers parameters with all of
@@ -401,16 +394,10 @@ class FsdpPolicy:
             rows = groups[min(index, len(groups) - 1)]
             yield rows, batch.select(rows, self.device), index >= len(groups)
 
-    def _forward(self, micro: Batch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-        # Plain bf16 uses autocast; under FSDP the mixed-precision policy casts instead.
+    def _autocast(self) -> torch.autocast:
+        """bf16 autocast in a plain process; under FSDP the mixed-precision policy casts instead."""
         use_autocast = self.settings.dtype == "bfloat16" and not self.is_sharded
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_autocast):
-            logits = self.model(
-                input_ids=micro.input_ids, attention_mask=micro.attention_mask, use_cache=False
-            ).logits
-        logprobs, entropy = token_logprobs(logits, micro.input_ids, with_entropy)
-        real = micro.attention_mask.bool()
-        return logprobs * real, None if entropy is None else entropy * real
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_autocast)
 
     def _sum_over_ranks(self, values: list[float]) -> list[float]:
         if not self.is_sharded:
@@ -418,3 +405,60 @@ class FsdpPolicy:
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor)
         return tensor.tolist()
+
+
+class FsdpPolicy(FsdpModel):
+    """The trained policy: a causal LM, its logprobs and train step, and its export."""
+
+    def __init__(self, model_path: str | Path, settings: TrainSettings) -> None:
+        super().__init__(
+            AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), settings
+        )
+
+    def logprobs(self, batch: Batch, *, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Logprob (and entropy) of each token given its prefix, (rows, length) like the batch,
+        on the batch's device; column 0 and padding get 0."""
+        logprobs, entropy = self._per_token(
+            batch, partial(self._forward, with_entropy=with_entropy)
+        )
+        return logprobs, entropy
+
+    def train_step(
+        self, batch: Batch, loss_fn: LossFn, *, with_entropy: bool = False
+    ) -> dict[str, float]:
+        """One optimizer step on this rank's `batch` with loss_fn(micro, logprobs, entropy); see
+        `FsdpModel._train_step` for the metrics it returns."""
+
+        def micro_loss(micro: Batch) -> tuple[Tensor, dict[str, float]]:
+            return loss_fn(micro, *self._forward(micro, with_entropy))
+
+        return self._train_step(batch, micro_loss)
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Unsharded fp32 weights on CPU under the model's Hugging Face names, a snapshot that
+        later steps leave alone. Under FSDP only rank 0 gets them; other ranks get {}."""
+        state = get_model_state_dict(self.model, options=FULL_ON_CPU)
+        if self.is_sharded:
+            return state
+        # Plain on CPU, the tensors are the live parameters.
+        return {name: tensor.detach().clone() for name, tensor in state.items()}
+
+    def save_pretrained(self, folder: str | Path, tokenizer_dir: str | Path | None = None) -> None:
+        """Writes the model in Hugging Face format (config, safetensors) into `folder` on rank 0,
+        with the tokenizer files of `tokenizer_dir` copied beside it."""
+        state = self.full_state_dict()
+        if self.rank != 0:
+            return
+        self.model.save_pretrained(folder, state_dict=state)
+        for name in TOKENIZER_FILES if tokenizer_dir else ():
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copy2(Path(tokenizer_dir) / name, Path(folder) / name)
+
+    def _forward(self, micro: Batch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        with self._autocast():
+            logits = self.model(
+                input_ids=micro.input_ids, attention_mask=micro.attention_mask, use_cache=False
+            ).logits
+        logprobs, entropy = token_logprobs(logits, micro.input_ids, with_entropy)
+        real = micro.attention_mask.bool()
+        return logprobs * real, None if entropy is None else entropy * real
