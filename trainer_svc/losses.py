@@ -1,4 +1,4 @@
-"""Policy and value losses, KL estimators and train/inference mismatch metrics.
+"""Policy and value losses, KL estimators, train/inference mismatch and critic metrics.
 
 Conventions: B sequences, T token positions, right-padded; float32 tensors. `loss_mask`
 (B, T) bool is True on model-sampled tokens only; tool/user tokens between model turns and
@@ -178,17 +178,34 @@ def value_loss(
     clip_range: float | None,
     aggregation: str,
     normalizer: int | None = None,
-) -> Tensor:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO value loss 0.5 * max((V - R)^2, (V_clipped - R)^2), aggregated over masked tokens.
 
     V_clipped = old_values + clamp(values - old_values, -clip_range, clip_range); with
-    `clip_range=None` the loss is the plain 0.5 * (V - R)^2. Inputs (B, T); returns a scalar.
+    `clip_range=None` the loss is the plain 0.5 * (V - R)^2. Inputs (B, T); only `values`
+    carries gradient. Returns (loss, metrics): "clip_fraction", the share of masked tokens
+    where the clipped term won, a detached scalar.
     """
     per_token = (values - returns).square()
+    is_clipped = torch.zeros_like(loss_mask)
     if clip_range is not None:
         clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
-        per_token = torch.maximum(per_token, (clipped_values - returns).square())
-    return 0.5 * aggregate(per_token, loss_mask, aggregation, normalizer=normalizer)
+        clipped = (clipped_values - returns).square()
+        is_clipped = clipped > per_token
+        per_token = torch.maximum(per_token, clipped)
+    loss = 0.5 * aggregate(per_token, loss_mask, aggregation, normalizer=normalizer)
+    return loss, {"clip_fraction": _masked_mean(is_clipped.float(), loss_mask)}
+
+
+def explained_variance(values: Tensor, returns: Tensor, loss_mask: Tensor) -> float | None:
+    """1 - Var(returns - values) / Var(returns) over masked tokens: 1 for a critic that predicts
+    the returns, 0 for one that predicts only their mean, below 0 for worse. None when the
+    returns do not vary (e.g. every reward of the batch equal), where it is undefined."""
+    returns_there = returns[loss_mask]
+    if returns_there.numel() == 0 or returns_there.var(correction=0) == 0:
+        return None
+    errors = returns_there - values[loss_mask]
+    return float(1.0 - errors.var(correction=0) / returns_there.var(correction=0))
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:

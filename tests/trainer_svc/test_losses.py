@@ -9,6 +9,7 @@ from torch.testing import assert_close
 from trainer_svc.losses import (
     aggregate,
     entropy_from_logits,
+    explained_variance,
     kl_estimate,
     logprob_mismatch,
     policy_loss,
@@ -199,26 +200,62 @@ def test_policy_loss_on_an_empty_mask_is_zero_with_finite_gradient() -> None:
 
 
 @pytest.mark.parametrize(
-    ("clip_range", "expected", "expected_grad"),
+    ("clip_range", "expected", "expected_grad", "clip_fraction"),
     [
         # Unclipped: 0.5 * mean((1 - 2)^2, (2 - 1)^2); gradient (V - R) / 2 tokens.
-        (None, 0.5 * (1.0 + 1.0) / 2, [-0.5, 0.5, 0.0]),
+        (None, 0.5 * (1.0 + 1.0) / 2, [-0.5, 0.5, 0.0], 0.0),
         # Clipped values 0.8 + 0.1 = 0.9 and 2.5 - 0.1 = 2.4: max(1, 1.21), max(1, 1.96).
         # Both maxima are on the clipped branch, which is constant in V: no gradient.
-        (0.1, 0.5 * (1.21 + 1.96) / 2, [0.0, 0.0, 0.0]),
+        (0.1, 0.5 * (1.21 + 1.96) / 2, [0.0, 0.0, 0.0], 1.0),
+        # Clip range 0.3: token 1 moved 0.2 and is not clipped (a tie is no clip); token 2
+        # is clipped to 2.5 - 0.3 = 2.2, (2.2 - 1)^2 = 1.44 > 1.
+        (0.3, 0.5 * (1.0 + 1.44) / 2, [-0.5, 0.0, 0.0], 0.5),
         # Clip range 2 clips nothing: back to the plain loss.
-        (2.0, 0.5 * (1.0 + 1.0) / 2, [-0.5, 0.5, 0.0]),
+        (2.0, 0.5 * (1.0 + 1.0) / 2, [-0.5, 0.5, 0.0], 0.0),
     ],
 )
-def test_value_loss(clip_range: float | None, expected: float, expected_grad: list) -> None:
+def test_value_loss(
+    clip_range: float | None, expected: float, expected_grad: list, clip_fraction: float
+) -> None:
     values = tensor([[1.0, 2.0, 50.0]]).requires_grad_()  # third: a tool token
-    loss = value_loss(
+    loss, metrics = value_loss(
         values, tensor([[0.8, 2.5, 0.0]]), tensor([[2.0, 1.0, 0.0]]), mask([[1, 1, 0]]),
         clip_range=clip_range, aggregation="token-mean",
     )  # fmt: skip
     assert_close(loss, torch.tensor(expected))
+    assert metrics["clip_fraction"].item() == clip_fraction
     loss.backward()
     assert_close(values.grad, tensor([expected_grad]))
+
+
+def test_value_loss_aggregates_like_the_policy_loss() -> None:
+    # Row 0: squared errors 1, 4 on two tokens; row 1: 9 on one token (the rest is a tool token).
+    values, returns = tensor([[1.0, 2.0, 0.0], [3.0, 7.0, 0.0]]), tensor([[0.0, 0.0, 0.0]] * 2)
+    loss_mask = mask([[1, 1, 0], [1, 0, 0]])
+
+    def loss(aggregation: str) -> float:
+        result, _ = value_loss(
+            values, values, returns, loss_mask, clip_range=None, aggregation=aggregation,
+            normalizer=4,
+        )  # fmt: skip
+        return result.item()
+
+    assert loss("token-mean") == pytest.approx(0.5 * (1 + 4 + 9) / 3)
+    assert loss("seq-mean-token-mean") == pytest.approx(0.5 * ((1 + 4) / 2 + 9) / 2)
+    assert loss("seq-mean-token-sum-norm") == pytest.approx(0.5 * (1 + 4 + 9) / (2 * 4))
+
+
+def test_explained_variance() -> None:
+    returns = tensor([[1.0, 3.0, 99.0], [2.0, 6.0, 99.0]])  # the 99s are off the mask
+    loss_mask = mask([[1, 1, 0], [1, 1, 0]])
+    # Returns 1, 3, 2, 6: mean 3, population variance (4 + 0 + 1 + 9) / 4 = 3.5.
+    assert explained_variance(returns, returns, loss_mask) == pytest.approx(1.0)
+    assert explained_variance(torch.full_like(returns, 3.0), returns, loss_mask) == 0.0
+    # Errors 1, -1, 1, -1 (mean 0): variance 1.
+    values = returns - tensor([[1.0, -1.0, 0.0], [1.0, -1.0, 0.0]])
+    assert explained_variance(values, returns, loss_mask) == pytest.approx(1 - 1 / 3.5)
+    assert explained_variance(values, torch.ones_like(returns), loss_mask) is None
+    assert explained_variance(values, returns, torch.zeros_like(loss_mask)) is None
 
 
 def test_entropy_from_logits() -> None:
