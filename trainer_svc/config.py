@@ -2,9 +2,9 @@
 RL algorithm, the optimizer and where the other services are."""
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from trainer_svc.fsdp import TrainSettings
 from turnrl.config import DEFAULT_PORTS, ClientConfig, ServerConfig, StrictModel
@@ -71,11 +71,25 @@ class AlgorithmConfig(StrictModel):
     """Advantages, policy loss, KL and sampling filters (names as in trainer_svc.advantages
     and trainer_svc.losses)."""
 
-    advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus"] = Field(
+    advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "gae"] = Field(
         default="grpo",
-        description="How rewards become advantages. (gae needs a value model, not built yet.)",
+        description="How rewards become advantages. gae: PPO with a value model, trained as "
+        "configured in trainer.critic.",
     )
-    gamma: float = Field(default=1.0, ge=0.0, le=1.0, description="Discount (reinforce_plus_plus).")
+    gamma: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="Discount per model token (reinforce_plus_plus, gae); tool and user tokens "
+        "between turns are not steps.",
+    )
+    gae_lambda: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="GAE's lambda: 1 gives returns minus values (no bias from the critic, most "
+        "variance), 0 one-step TD errors. gae only.",
+    )
     clip_low: float = Field(default=0.2, ge=0.0, lt=1.0, description="Ratio floor is 1 - clip_low.")
     clip_high: float = Field(
         default=0.28, ge=0.0, description="Ratio ceiling is 1 + clip_high (DAPO's clip-higher)."
@@ -114,6 +128,48 @@ class AlgorithmConfig(StrictModel):
     )
     ppo_epochs: int = Field(default=1, gt=0, description="Passes over each batch.")
     mini_batches: int = Field(default=1, gt=0, description="Optimizer steps per pass.")
+
+    @model_validator(mode="after")
+    def _gae_lambda_needs_gae(self) -> Self:
+        # Compared with the default, not looked up in model_fields_set: `turnrl run` dumps
+        # the config and validates it again, after which every field counts as set.
+        default = AlgorithmConfig.model_fields["gae_lambda"].default
+        if self.gae_lambda != default and self.advantage_estimator != "gae":
+            raise ValueError(
+                f"gae_lambda={self.gae_lambda!r} is set but advantage_estimator is "
+                f"{self.advantage_estimator!r}; only gae uses it"
+            )
+        return self
+
+
+class CriticConfig(StrictModel):
+    """The value model of advantage_estimator gae: the policy's transformer with a scalar head,
+    trained on the same mini-batches and epochs as the policy, with its own optimizer."""
+
+    model_path: str | None = Field(
+        default=None,
+        description="Hugging Face folder the critic starts from: a causal LM (its LM head is "
+        "dropped, the value head starts at zero) or a saved token-classification model with "
+        "one label. None: the policy's trainer.model_path.",
+    )
+    optim: TrainSettings = Field(
+        default_factory=TrainSettings,
+        description="The critic's optimizer, precision and micro-batches (verl's critic.optim); "
+        "a critic usually takes a larger learning rate than the policy.",
+    )
+    value_clip_range: float | None = Field(
+        default=0.5,
+        gt=0.0,
+        description="A value may move at most this far from the step's old value before its "
+        "loss is clipped (verl's cliprange_value), in reward units; None: unclipped.",
+    )
+    critic_only_steps: int = Field(
+        default=0,
+        ge=0,
+        description="First training steps that update the critic only, the policy staying "
+        "as it is, so its advantages come from a critic that has seen some returns (verl's "
+        "critic_warmup).",
+    )
 
 
 class WeightSyncConfig(StrictModel):
@@ -177,6 +233,10 @@ class TrainerConfig(StrictModel):
     optim: TrainSettings = Field(
         default_factory=TrainSettings, description="Optimizer, precision and micro-batches."
     )
+    critic: CriticConfig = Field(
+        default_factory=CriticConfig,
+        description="The value model; only with algorithm.advantage_estimator gae.",
+    )
     weight_sync: WeightSyncConfig = Field(
         default_factory=WeightSyncConfig, description="Weight pushes to the rollout service."
     )
@@ -184,3 +244,18 @@ class TrainerConfig(StrictModel):
         default="offline",
         description="wandb logging; online needs WANDB_API_KEY. Files go under the run folder.",
     )
+
+    @model_validator(mode="after")
+    def _critic_fits_the_algorithm(self) -> Self:
+        estimator = self.algorithm.advantage_estimator
+        if self.critic != CriticConfig() and estimator != "gae":  # as in _gae_lambda_needs_gae
+            raise ValueError(
+                f"critic is set but algorithm.advantage_estimator is {estimator!r}; only gae "
+                "trains a critic"
+            )
+        if estimator == "gae" and self.critic.critic_only_steps >= self.steps:
+            raise ValueError(
+                f"critic.critic_only_steps={self.critic.critic_only_steps!r} leaves no step of "
+                f"the {self.steps!r} (steps) to train the policy; make it smaller than steps"
+            )
+        return self
