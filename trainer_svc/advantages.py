@@ -110,10 +110,20 @@ def gae_advantages(
 ) -> tuple[Tensor, Tensor]:
     """GAE over model tokens only; returns (advantages, returns), both (B, T), 0 off the mask.
 
-    delta_t = r_t + gamma * V(next model token) - V_t (V after the last model token is 0),
-    A_t = delta_t + gamma * lam * A(next model token), returns = A + V. Tool/user tokens
-    are skipped, not steps: their rewards and values are ignored. Advantages are whitened
-    over the masked tokens of the batch; returns are not. `values` gets no gradient.
+    Multi-turn definition: every model token (loss_mask True) is one action, taken in the state
+    "everything before it", whose value is `values[:, t]` (see `FsdpCritic.values`). The state
+    after a turn's last token is the state before the next turn's first model token, whose
+    prefix already holds the tool or user reply: a reply is part of the transition, not a step,
+    so it is not discounted and its positions' rewards and values are never read. After the
+    row's last model token the episode ends (V = 0). Then, over model tokens t and their next
+    model token t':
+
+        delta_t = r_t + gamma * V_t' - V_t,    A_t = delta_t + gamma * lam * A_t',
+        returns_t = A_t + V_t.
+
+    This is verl's `compute_gae_advantage_return` with the loss mask as its response mask.
+    Advantages are whitened over the masked tokens of the batch; returns are not. `values`
+    gets no gradient.
     """
     values = values.detach()
     advantages = torch.zeros_like(token_rewards)

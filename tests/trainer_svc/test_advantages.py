@@ -107,6 +107,38 @@ def test_gae_skips_tool_tokens_and_whitens_advantages_only() -> None:
     assert_close(returns, tensor(expected_returns))
 
 
+def test_gae_of_multi_turn_rows_with_the_outcome_reward_and_kl_in_the_reward() -> None:
+    # Row 0: model, model, tool, model, padding (reward 1); row 1: three model tokens (reward 0).
+    token_rewards = sequence_rewards_to_tokens(tensor([1.0, 0.0]), MASK)
+    # k1 = log p - log q per model token; the 5.0 sits on the tool token and must be ignored.
+    logprobs = tensor([[0.1, 0.2, 5.0, 0.3, 0.0], [0.2, -0.1, 0.4, 0.0, 0.0]])
+    token_rewards = apply_kl_penalty(
+        token_rewards, logprobs, torch.zeros(2, 5), MASK, coef=0.5, estimator="k1"
+    )
+    # Rewards on model tokens: row 0 -0.05, -0.1, 1 - 0.15; row 1 -0.1, 0.05, -0.2.
+    values = tensor([[0.5, 0.4, 9.0, 0.6, 9.0], [0.1, 0.0, -0.3, 9.0, 9.0]])
+    # gamma 0.5, lambda 1: the returns are the discounted rewards still to come, counting model
+    # tokens only (position 1's next step is position 3), whatever the values are.
+    row0 = [-0.05 + 0.5 * (-0.1 + 0.5 * 0.85), -0.1 + 0.5 * 0.85, 0.85]  # positions 0, 1, 3
+    row1 = [-0.1 + 0.5 * (0.05 + 0.5 * -0.2), 0.05 + 0.5 * -0.2, -0.2]  # positions 0, 1, 2
+    raw = [row0[0] - 0.5, row0[1] - 0.4, row0[2] - 0.6, row1[0] - 0.1, row1[1] - 0.0, row1[2] + 0.3]
+    mean, std = statistics.mean(raw), math.sqrt(statistics.variance(raw) + 1e-8)
+    w = [(a - mean) / std for a in raw]
+
+    advantages, returns = compute_advantages(
+        "gae",
+        token_rewards=token_rewards,
+        group_index=torch.tensor([0, 1]),
+        loss_mask=MASK,
+        values=values,
+        gamma=0.5,
+        lam=1.0,
+    )
+
+    assert_close(returns, tensor([[row0[0], row0[1], 0, row0[2], 0], [*row1, 0, 0]]))
+    assert_close(advantages, tensor([[w[0], w[1], 0, w[2], 0], [w[3], w[4], w[5], 0, 0]]))
+
+
 def test_apply_kl_penalty_subtracts_the_estimate_on_model_tokens_only() -> None:
     token_rewards = tensor([[0.0, 1.0, 0.0]])
     logprobs, ref_logprobs = tensor([[-1.0, -2.0, -0.5]]), tensor([[-1.5, -1.0, -3.0]])
