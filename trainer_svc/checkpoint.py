@@ -1,4 +1,5 @@
-"""Checkpoints of a run: model, optimizer and scheduler state, data position, RNG state, step.
+"""Checkpoints of a run: the policy's (and, with gae, the critic's) model, optimizer and scheduler
+state, data position, RNG state, step.
 
 Each checkpoint is one folder `checkpoints/step_<N>/` holding `state.pt`, written into a
 temporary folder and renamed into place, so a folder that exists is complete: a run killed

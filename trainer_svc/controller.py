@@ -4,8 +4,8 @@ checkpoint; repeat.
     setup     model, data, tool schemas, weight-sync group; resume from the last checkpoint;
               push the starting weights so the engine serves exactly the trainer's policy
     step      rollout (Generate n samples per prompt, scored) -> [dynamic sampling refills]
-              -> train (recompute logprobs, advantages, PPO epochs) -> push -> [eval]
-              -> [checkpoint]
+              -> train (recompute logprobs [and values], advantages, PPO epochs over the
+              critic [with gae] and the policy) -> push -> [eval] -> [checkpoint]
 
 Model compute runs in a worker thread, so the trainer service keeps answering RPCs (GetRun,
 StopRun) during a step. Every stage reports a ProgressEvent through `emit`.
@@ -25,6 +25,7 @@ from transformers import AutoTokenizer
 
 from trainer_svc.checkpoint import load_latest_checkpoint, save_checkpoint
 from trainer_svc.config import TrainerConfig
+from trainer_svc.critic import FsdpCritic
 from trainer_svc.data import PromptRecord, PromptSampler, load_datasets
 from trainer_svc.fsdp import FsdpPolicy, TrainSettings
 from trainer_svc.report import RunReport
@@ -32,6 +33,7 @@ from trainer_svc.rl_step import (
     RolloutBatch,
     keep_groups_with_signal,
     make_loss_fn,
+    make_value_loss_fn,
     mini_batches,
     prepare_update,
     rollout_batch,
@@ -91,22 +93,38 @@ class Controller:
         model_path = config.model_path or str(await asyncio.to_thread(build_tiny_model))
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_path)
         self.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
-        optim = config.optim
-        if optim.lr_schedule == "cosine" and optim.total_steps == 0:
-            total = config.steps * config.algorithm.ppo_epochs * config.algorithm.mini_batches
-            optim = TrainSettings.model_validate({**optim.model_dump(), "total_steps": total})
+        algorithm = config.algorithm
+        updates_per_step = algorithm.ppo_epochs * algorithm.mini_batches
+        # critic_only_steps is 0 unless gae (the config refuses a critic section otherwise).
+        policy_steps = config.steps - config.critic.critic_only_steps
+        optim = _with_schedule_length(config.optim, policy_steps * updates_per_step)
         self.policy = await asyncio.to_thread(FsdpPolicy, model_path, optim)
         self.reference = (
             await asyncio.to_thread(FsdpPolicy, model_path, optim)
-            if config.algorithm.kl_coef > 0
+            if algorithm.kl_coef > 0
             else None
         )
+        self.critic = None
+        if algorithm.advantage_estimator == "gae":
+            critic_optim = _with_schedule_length(
+                config.critic.optim, config.steps * updates_per_step
+            )
+            critic_path = config.critic.model_path or model_path
+            self.critic = await asyncio.to_thread(FsdpCritic, critic_path, critic_optim)
         train, self.held_out = load_datasets(config.data, config.seed)
         self.sampler = PromptSampler(train, config.seed, config.data.shuffle)
         self.generator = torch.Generator().manual_seed(config.seed)
         state = load_latest_checkpoint(self.run_dir) if resume else None
         if state is not None:
             await asyncio.to_thread(self.policy.load_checkpoint_state, state["policy"])
+            if self.critic is not None:
+                if "critic" not in state:
+                    raise ConfigError(
+                        f"the checkpoint of step {state['step']} in {self.run_dir} holds no "
+                        "critic (its run did not use advantage_estimator gae); resume with the "
+                        "run's own algorithm"
+                    )
+                await asyncio.to_thread(self.critic.load_checkpoint_state, state["critic"])
             self.sampler.position = state["data_position"]
             self.generator.set_state(state["generator"])
             self.step = self._checkpointed_step = state["step"]
@@ -237,11 +255,14 @@ class Controller:
         return sorted(trajectories, key=lambda t: t.trajectory_id)
 
     def _update(self, rollouts: RolloutBatch) -> dict[str, float]:
-        """Recomputes logprobs, computes advantages and runs the PPO epochs (worker thread)."""
+        """Recomputes logprobs (and values), computes advantages and runs the PPO epochs, each
+        mini-batch a critic step (with gae) then a policy step (worker thread)."""
         algorithm = self.config.algorithm
-        metrics = prepare_update(rollouts, self.policy, self.reference, algorithm)
+        metrics = prepare_update(rollouts, self.policy, self.reference, self.critic, algorithm)
         normalizer = self.config.rollout.max_response_length or rollouts.batch.input_ids.shape[1]
         loss_fn = make_loss_fn(algorithm, normalizer)
+        value_loss_fn = make_value_loss_fn(algorithm, self.config.critic, normalizer)
+        update_policy = self.step > self.config.critic.critic_only_steps
         sums: dict[str, float] = {}
         updates = 0
         for _ in range(algorithm.ppo_epochs):
@@ -249,11 +270,17 @@ class Controller:
                 rollouts.batch.input_ids.shape[0], algorithm.mini_batches, self.generator
             ):
                 mini = rollouts.batch.select(rows, rollouts.batch.input_ids.device)
-                result = self.policy.train_step(mini, loss_fn, with_entropy=True)
-                for name, value in result.items():
+                results = {}
+                if self.critic is not None:
+                    result = self.critic.train_step(mini, value_loss_fn)
+                    results.update({f"critic/{name}": value for name, value in result.items()})
+                if update_policy:
+                    result = self.policy.train_step(mini, loss_fn, with_entropy=True)
+                    results.update({f"train/{name}": value for name, value in result.items()})
+                for name, value in results.items():
                     sums[name] = sums.get(name, 0.0) + value
                 updates += 1
-        metrics.update({f"train/{name}": value / updates for name, value in sums.items()})
+        metrics.update({name: value / updates for name, value in sums.items()})
         return metrics
 
     async def _push(self) -> None:
@@ -286,17 +313,14 @@ class Controller:
         self.emit(ProgressEvent(self.step, "eval", metrics, message))
 
     async def _checkpoint(self) -> None:
-        state = await asyncio.to_thread(self.policy.state_dict_for_checkpoint)
-        folder = await asyncio.to_thread(
-            save_checkpoint,
-            self.run_dir,
-            self.step,
-            {
-                "policy": state,
-                "data_position": self.sampler.position,
-                "generator": self.generator.get_state(),
-            },
-        )
+        state = {
+            "policy": await asyncio.to_thread(self.policy.state_dict_for_checkpoint),
+            "data_position": self.sampler.position,
+            "generator": self.generator.get_state(),
+        }
+        if self.critic is not None:
+            state["critic"] = await asyncio.to_thread(self.critic.state_dict_for_checkpoint)
+        folder = await asyncio.to_thread(save_checkpoint, self.run_dir, self.step, state)
         self._checkpointed_step = self.step
         for request in self.checkpoint_requests:
             request.done.set_result((folder, self.step))
@@ -337,3 +361,11 @@ class Controller:
             "wall_seconds": round(wall_seconds, 1),
             "final_model": str(self.run_dir / FINAL_MODEL),
         }
+
+
+def _with_schedule_length(settings: TrainSettings, optimizer_steps: int) -> TrainSettings:
+    """`settings` with a cosine schedule's total_steps set to the run's `optimizer_steps`, when
+    the config left it 0 for the trainer to fill in."""
+    if settings.lr_schedule != "cosine" or settings.total_steps != 0:
+        return settings
+    return TrainSettings.model_validate({**settings.model_dump(), "total_steps": optimizer_steps})

@@ -1,9 +1,11 @@
 """One RL update from scored trajectories: tensors from the rollout service's tokens, advantages,
-the policy loss for `FsdpPolicy.train_step`, and the step's metrics.
+the policy loss for `FsdpPolicy.train_step`, the value loss for `FsdpCritic.train_step`, and
+the step's metrics.
 
 Token ids, loss masks and rollout logprobs come from the trajectories as the engine produced
 them; nothing is re-tokenized. `logprobs[:, t]` is the logprob of token t, the convention of
-both the engine's segments and `FsdpPolicy.logprobs`.
+both the engine's segments and `FsdpPolicy.logprobs`; `values[:, t]` is the value of the state
+token t was chosen in (`FsdpCritic.values`).
 """
 
 from dataclasses import dataclass
@@ -17,14 +19,17 @@ from trainer_svc.advantages import (
     groups_with_signal,
     sequence_rewards_to_tokens,
 )
-from trainer_svc.config import AlgorithmConfig
+from trainer_svc.config import AlgorithmConfig, CriticConfig
+from trainer_svc.critic import FsdpCritic
 from trainer_svc.fsdp import Batch, FsdpPolicy
 from trainer_svc.losses import (
     aggregate,
+    explained_variance,
     kl_estimate,
     logprob_mismatch,
     policy_loss,
     truncated_importance_weights,
+    value_loss,
 )
 from turnrl.v1 import common_pb2
 
@@ -95,10 +100,12 @@ def prepare_update(
     rollouts: RolloutBatch,
     policy: FsdpPolicy,
     reference: FsdpPolicy | None,
+    critic: FsdpCritic | None,
     algorithm: AlgorithmConfig,
 ) -> dict[str, float]:
-    """Adds old_logprobs, ref_logprobs and advantages to the batch's extras; returns the
-    train/inference mismatch metrics of the engine's logprobs against the trainer's."""
+    """Adds old_logprobs, ref_logprobs, advantages and, with a critic, old_values and returns
+    to the batch's extras; returns the train/inference mismatch metrics of the engine's
+    logprobs against the trainer's, the KL to the reference and the critic's fit."""
     batch = rollouts.batch
     old_logprobs, _ = policy.logprobs(batch)
     batch.extras["old_logprobs"] = old_logprobs
@@ -123,14 +130,36 @@ def prepare_update(
                 coef=algorithm.kl_coef,
                 estimator=algorithm.kl_estimator,
             )
-    advantages, _ = compute_advantages(
+    old_values = None
+    if critic is not None:
+        old_values = batch.extras["old_values"] = critic.values(batch)
+    advantages, returns = compute_advantages(
         algorithm.advantage_estimator,
         token_rewards=token_rewards,
         group_index=rollouts.group_index,
         loss_mask=batch.loss_mask,
+        values=old_values,
         gamma=algorithm.gamma,
+        lam=algorithm.gae_lambda,
     )
     batch.extras["advantages"] = advantages
+    if returns is not None:  # gae, whose values came from the critic
+        batch.extras["returns"] = returns
+        metrics.update(_critic_fit_metrics(old_values, returns, batch.loss_mask))
+    return metrics
+
+
+def _critic_fit_metrics(values: Tensor, returns: Tensor, loss_mask: Tensor) -> dict[str, float]:
+    """How well the critic's values, before this step's update, predict this step's returns:
+    their means over model tokens and the explained variance (left out when the returns do not
+    vary, where it is undefined)."""
+    metrics = {
+        "critic/value_mean": float(aggregate(values, loss_mask, "token-mean")),
+        "critic/return_mean": float(aggregate(returns, loss_mask, "token-mean")),
+    }
+    explained = explained_variance(values, returns, loss_mask)
+    if explained is not None:
+        metrics["critic/explained_variance"] = explained
     return metrics
 
 
@@ -173,13 +202,40 @@ def make_loss_fn(algorithm: AlgorithmConfig, normalizer: int):
             entropy_mean = aggregate(entropy, mask, mode, normalizer=normalizer)
             loss = loss - algorithm.entropy_coef * entropy_mean
             reported["entropy"] = float(entropy_mean.detach())
-        if mode == "token-mean":
-            share = float(mask.sum()) / micro.global_token_count
-        else:  # every row holds loss tokens (`trainable`), so the seq-mean modes count them all
-            share = micro.input_ids.shape[0] / micro.global_sequence_count
-        return loss * share, reported
+        return loss * _global_share(micro, mode), reported
 
     return loss_fn
+
+
+def make_value_loss_fn(algorithm: AlgorithmConfig, critic: CriticConfig, normalizer: int):
+    """The loss for `FsdpCritic.train_step`: PPO's clipped value loss against the returns,
+    aggregated per `algorithm.loss_aggregation` like the policy loss and rescaled to the step's
+    global counts (the train_step contract)."""
+    mode = algorithm.loss_aggregation
+
+    def loss_fn(micro: Batch, values: Tensor):
+        loss, metrics = value_loss(
+            values,
+            micro.extras["old_values"],
+            micro.extras["returns"],
+            micro.loss_mask,
+            clip_range=critic.value_clip_range,
+            aggregation=mode,
+            normalizer=normalizer,
+        )
+        reported = {name: float(value) for name, value in metrics.items()}
+        return loss * _global_share(micro, mode), reported
+
+    return loss_fn
+
+
+def _global_share(micro: Batch, mode: str) -> float:
+    """The micro-batch's share of the step: its loss, a mean over its own tokens or rows, times
+    this is its part of the mean over all ranks' batch."""
+    if mode == "token-mean":
+        return float(micro.loss_mask.sum()) / micro.global_token_count
+    # Every row holds loss tokens (`trainable`), so the seq-mean modes count them all.
+    return micro.input_ids.shape[0] / micro.global_sequence_count
 
 
 def mini_batches(size: int, count: int, generator: torch.Generator) -> list[list[int]]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM
 
 from tests.trainer_svc.fsdp_worker import (
     SETTINGS,
@@ -23,26 +23,6 @@ from trainer_svc.fsdp import Batch, FsdpPolicy, TrainSettings, lr_factor, micro_
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 WORKER_TIMEOUT_SECONDS = 120
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    """A randomly initialised 2-layer Qwen3 with tied embeddings, saved in HF format."""
-    config = Qwen3Config(
-        vocab_size=256,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("tiny_qwen3")
-    Qwen3ForCausalLM(config).save_pretrained(folder)
-    return folder
 
 
 def policy(model_dir: Path, **settings) -> FsdpPolicy:

@@ -58,7 +58,7 @@ def test_grpo_raises_the_reward_of_a_small_task(tmp_path):
     for _ in range(15):
         rollouts = rollout_batch(sample_trajectories(policy.model, generator), pad_token_id=0)
         rewards.append(float(rollouts.rewards.mean()))
-        mismatch = prepare_update(rollouts, policy, None, algorithm)
+        mismatch = prepare_update(rollouts, policy, None, None, algorithm)
         # The sampler is the policy itself, so its logprobs are the trainer's.
         assert mismatch["mismatch/mean_abs_diff"] < 1e-4
         policy.train_step(rollouts.batch, make_loss_fn(algorithm, normalizer=NEW_TOKENS))

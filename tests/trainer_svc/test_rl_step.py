@@ -4,13 +4,14 @@ that add up to the full-batch loss across micro-batches, dynamic sampling, metri
 import pytest
 import torch
 
-from trainer_svc.config import AlgorithmConfig
+from trainer_svc.config import AlgorithmConfig, CriticConfig
 from trainer_svc.fsdp import Batch
-from trainer_svc.losses import policy_loss
+from trainer_svc.losses import policy_loss, value_loss
 from trainer_svc.rl_step import (
     accurate,
     keep_groups_with_signal,
     make_loss_fn,
+    make_value_loss_fn,
     rollout_batch,
     rollout_metrics,
     trainable,
@@ -80,21 +81,22 @@ def test_trainable_needs_model_tokens_and_a_normal_end():
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_loss_shares_of_micro_batches_add_up_to_the_full_batch_loss(mode):
+def test_policy_and_value_loss_shares_of_micro_batches_add_up_to_the_full_batch_loss(mode):
     generator = torch.Generator().manual_seed(0)
     lengths = [5, 9, 3, 7]
     token_ids = [list(range(1, n + 1)) for n in lengths]
     loss_masks = [[i > 0 and i % 3 != 1 for i in range(n)] for n in lengths]
     extras = {
         name: [torch.randn(n, generator=generator).tolist() for n in lengths]
-        for name in ("old_logprobs", "advantages", "rollout_logprobs")
+        for name in ("old_logprobs", "advantages", "rollout_logprobs", "old_values", "returns")
     }
     batch = Batch.from_sequences(token_ids, loss_masks, extras)
-    logprobs = batch.extras["old_logprobs"] + 0.1 * torch.randn(
-        batch.input_ids.shape, generator=generator
-    )
+    noise = 0.1 * torch.randn((2, *batch.input_ids.shape), generator=generator)
+    logprobs = batch.extras["old_logprobs"] + noise[0]
+    values = batch.extras["old_values"] + noise[1]
     algorithm = AlgorithmConfig(loss_aggregation=mode, clip_low=0.05, clip_high=0.05)
     loss_fn = make_loss_fn(algorithm, normalizer=12)
+    value_loss_fn = make_value_loss_fn(algorithm, CriticConfig(value_clip_range=0.05), 12)
     batch.global_token_count = int(batch.loss_mask.sum())
     batch.global_sequence_count = len(lengths)
     expected, _ = policy_loss(
@@ -107,13 +109,29 @@ def test_loss_shares_of_micro_batches_add_up_to_the_full_batch_loss(mode):
         aggregation=mode,
         normalizer=12,
     )
-    total = 0.0
+    expected_value_loss, _ = value_loss(
+        values,
+        batch.extras["old_values"],
+        batch.extras["returns"],
+        batch.loss_mask,
+        clip_range=0.05,
+        aggregation=mode,
+        normalizer=12,
+    )
+    total = value_total = 0.0
+    value_clip_fractions = []
     for rows in ([0, 2], [1], [3]):
         micro = batch.select(rows, torch.device("cpu"))
-        loss, metrics = loss_fn(micro, logprobs[rows, : micro.input_ids.shape[1]], None)
+        length = micro.input_ids.shape[1]
+        loss, metrics = loss_fn(micro, logprobs[rows, :length], None)
         total += float(loss)
         assert "clip_fraction" in metrics
+        loss, metrics = value_loss_fn(micro, values[rows, :length])
+        value_total += float(loss)
+        value_clip_fractions.append(metrics["clip_fraction"])
     assert total == pytest.approx(float(expected), abs=1e-6)
+    assert value_total == pytest.approx(float(expected_value_loss), abs=1e-6)
+    assert max(value_clip_fractions) > 0  # the clipped branch is part of what adds up
 
 
 def test_rollout_metrics_and_accuracy():
