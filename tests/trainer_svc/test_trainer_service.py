@@ -4,6 +4,7 @@ kill -9 and resumed."""
 
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
@@ -120,6 +121,41 @@ async def test_a_run_trains_evaluates_pushes_checkpoints_and_exports(services, t
     state = torch.load(run_dir / "checkpoints" / "step_000002" / "state.pt", weights_only=False)
     for name, tensor in exported.state_dict().items():
         torch.testing.assert_close(tensor, state["policy"]["model"][name], rtol=0, atol=0)
+
+
+async def test_a_gae_run_trains_a_critic_checkpoints_it_and_resumes_with_it(services, tmp_path):
+    gae = {
+        "eval_every": 0,
+        "algorithm": {"advantage_estimator": "gae", "gae_lambda": 0.95},
+        "critic": {"optim": {"learning_rate": 0.001}, "critic_only_steps": 1},
+    }
+    checkpoint = tmp_path / "gae" / "checkpoints" / "step_000002" / "state.pt"
+    async with rpc.open_channel(ClientConfig(address=services["trainer"])) as channel:
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+        for steps, resume in ((2, False), (3, True)):  # two steps, then one more after a resume
+            config = run_config(services, tmp_path, run_name="gae", steps=steps, **gae)
+            request = trainer_pb2.StartRunRequest(config_yaml=config, resume=resume)
+            await stub.StartRun(request, timeout=60)
+            await follow(stub, "gae")
+            run = (await stub.GetRun(trainer_pb2.GetRunRequest(run_name="gae"), timeout=10)).run
+            assert run.state == State.STATE_SUCCEEDED and run.step == steps, run.error_message
+            if not resume:
+                state = torch.load(checkpoint, weights_only=False)
+
+    run_dir = Path(run.output_dir)
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = {r["step"]: r for r in logged if "critic/loss" in r}
+    assert sorted(train) == [1, 2, 3]
+    # Step 1 trains the critic alone; from step 2 both.
+    assert "train/loss" not in train[1] and "train/loss" in train[2] and "train/loss" in train[3]
+    for record in train.values():
+        for name in ("clip_fraction", "grad_norm", "value_mean", "return_mean"):
+            assert math.isfinite(record[f"critic/{name}"]), name
+    # The new head starts at zero; the resumed run's values come from the checkpointed critic.
+    assert train[1]["critic/value_mean"] == 0.0 and train[3]["critic/value_mean"] != 0.0
+    assert "score.weight" in state["critic"]["model"] and state["critic"]["optimizer"]["state"]
+    exported = AutoModelForCausalLM.from_pretrained(run_dir / "final_model")  # the policy only
+    assert exported.state_dict().keys() == state["policy"]["model"].keys()
 
 
 async def test_stop_and_save_checkpoint_during_a_run(services, tmp_path):
