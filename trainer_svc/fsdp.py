@@ -18,8 +18,8 @@ The loss_fn contract of `train_step`:
     FsdpCritic:  loss_fn(micro: Batch, values: Tensor) -> (loss, metrics)
 
 `micro` holds some rows of this rank's batch, trimmed to its longest row; `logprobs`,
-`entropy` and `values` are (rows, length) and carry gradients. `loss` is this micro-batch's share of the
-whole step's loss: its sum over the micro-batch divided by batch-global counts
+`entropy` and `values` are (rows, length) and carry gradients. `loss` is this micro-batch's
+share of the whole step's loss: its sum over the micro-batch divided by batch-global counts
 (`micro.global_token_count`, `micro.global_sequence_count`), never by micro-batch counts, so
 the shares add up to the full-batch loss. `metrics` are this micro-batch's means (e.g. a clip
 fraction over its loss tokens); the step reports them weighted by loss tokens.
@@ -68,7 +68,8 @@ FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 class TrainSettings(StrictModel):
-    """Optimiser, schedule, precision and memory settings of the policy's training."""
+    """Optimiser, schedule, precision and memory settings of one trained model: the policy's
+    trainer.optim, or the critic's trainer.critic.optim."""
 
     learning_rate: float = Field(1e-5, gt=0, description="Peak AdamW learning rate, per step.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay, per step.")
