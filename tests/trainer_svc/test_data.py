@@ -9,7 +9,7 @@ import pytest
 from google.protobuf import json_format
 
 from trainer_svc.config import DataConfig
-from trainer_svc.data import PromptSampler, load_datasets, read_records
+from trainer_svc.data import EpochSampler, load_datasets, read_records
 from turnrl.errors import ConfigError
 from turnrl.v1 import common_pb2
 
@@ -104,15 +104,15 @@ def test_generated_calculator_data_has_disjoint_splits():
 
 def test_sampler_order_is_seeded_covers_each_epoch_and_resumes():
     train, _ = load_datasets(DataConfig(generated_train_size=10), seed=0)
-    sampler = PromptSampler(train, seed=1, shuffle=True)
+    sampler = EpochSampler(train, seed=1, shuffle=True)
     first_epoch = sampler.next_batch(4) + sampler.next_batch(6)
     assert sorted(r.prompt_id for r in first_epoch) == sorted(r.prompt_id for r in train)
     assert [r.prompt_id for r in first_epoch] != [r.prompt_id for r in train]  # shuffled
     later = sampler.next_batch(7)
 
-    resumed = PromptSampler(train, seed=1, shuffle=True)
+    resumed = EpochSampler(train, seed=1, shuffle=True)
     resumed.position = 10
     assert resumed.next_batch(7) == later
-    assert PromptSampler(train, seed=1, shuffle=False).next_batch(3) == train[:3]
+    assert EpochSampler(train, seed=1, shuffle=False).next_batch(3) == train[:3]
     with pytest.raises(ConfigError, match="empty"):
-        PromptSampler([], seed=0, shuffle=True)
+        EpochSampler([], seed=0, shuffle=True)
