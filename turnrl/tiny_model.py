@@ -7,8 +7,9 @@ be downloaded. `build_tiny_model` makes one from scratch in a few minutes on a C
    tokens and its chat template (`qwen2.5-instruct.jinja` from the fixtures);
 2. a randomly initialised Qwen3 model of about 0.4M parameters (2 layers, width 128);
 3. supervised fine-tuning on those conversations, with the loss on the assistant's tokens only
-   (`turnrl.chat_tokens.conversation_ids_and_loss_mask`, as in the trainer's SFT mode), so that greedy decoding writes `<tool_call>{"name": "calculator", ...}</tool_call>` and,
-   after the tool's response, `#### <the tool's number>`.
+   (`turnrl.chat_tokens.conversation_ids_and_loss_mask`, as in the trainer's SFT mode), so that
+   greedy decoding writes `<tool_call>{"name": "calculator", ...}</tool_call>` and, after the
+   tool's response, `#### <the tool's number>`.
 
 The result is saved with `save_pretrained` into a folder named by a hash of the settings, the
 template and FORMAT_VERSION; the folder appears by an atomic rename, so a folder that exists is
