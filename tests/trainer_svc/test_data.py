@@ -1,5 +1,5 @@
-"""Datasets in verl's format (parquet and JSONL), the generated calculator data, and the
-seeded, resumable order of training batches."""
+"""Datasets in verl's formats (parquet and JSONL; RL prompts and multi-turn SFT conversations),
+the generated calculator data, and the seeded, resumable order of training batches."""
 
 import json
 
@@ -9,7 +9,14 @@ import pytest
 from google.protobuf import json_format
 
 from trainer_svc.config import DataConfig
-from trainer_svc.data import EpochSampler, load_datasets, read_records
+from trainer_svc.data import (
+    EpochSampler,
+    load_conversations,
+    load_datasets,
+    read_conversations,
+    read_records,
+)
+from turnrl.calculator_data import TOOLS
 from turnrl.errors import ConfigError
 from turnrl.v1 import common_pb2
 
@@ -116,3 +123,120 @@ def test_sampler_order_is_seeded_covers_each_epoch_and_resumes():
     assert EpochSampler(train, seed=1, shuffle=False).next_batch(3) == train[:3]
     with pytest.raises(ConfigError, match="empty"):
         EpochSampler([], seed=0, shuffle=True)
+
+
+# verl's multi-turn SFT rows: OpenAI messages, tool-call arguments and tool schemas as JSON text
+# (as OpenAI's API gives arguments, and as parquet keeps heterogeneous structs intact).
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+SFT_ROWS = [
+    {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "a",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "a", "content": "sunny"},
+            {"role": "assistant", "content": "Sunny."},
+        ],
+        "tools": json.dumps([WEATHER_TOOL]),
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+        ],
+        "tools": None,
+    },
+]
+
+
+def test_sft_conversations_from_parquet_and_jsonl_are_what_templates_render(tmp_path):
+    parquet = tmp_path / "sft.parquet"
+    pq.write_table(pa.Table.from_pylist(SFT_ROWS), parquet)
+    jsonl = tmp_path / "sft.jsonl"
+    jsonl.write_text("".join(json.dumps(row) + "\n" for row in SFT_ROWS))
+    from_parquet, from_jsonl = read_conversations(parquet), read_conversations(jsonl)
+    assert [(c.messages, c.tools) for c in from_parquet] == [
+        (c.messages, c.tools) for c in from_jsonl
+    ]
+    first = from_parquet[0]
+    assert first.conversation_id == "sft-0"
+    assert first.tools == [WEATHER_TOOL]
+    call = {"id": "a", "type": "function"}
+    call["function"] = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    # Null fields (OpenAI's content beside tool calls, parquet's absent keys) are gone.
+    assert first.messages[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
+    assert first.messages[0] == {"role": "user", "content": "Weather in Paris?"}
+    assert from_parquet[1].tools is None
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"messages": []}, r"record bad-0: `messages` must be a non-empty list"),
+        (
+            {"messages": [{"role": "robot", "content": "hi"}]},
+            r"record bad-0, message 0: expected a chat message with a role in",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": "[{"},
+            r"record bad-0: `tools` is not valid JSON",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": {"name": "f"}},
+            r"record bad-0: `tools` must be a list of tool schemas",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]},
+                ]
+            },
+            r"record bad-0, message 1: a tool call needs `function.name`",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"function": {"name": "f", "arguments": "[1, 2]"}}],
+                    },
+                ]
+            },
+            r"record bad-0, message 1: tool call arguments must be an object, got \[1, 2\]",
+        ),
+    ],
+)
+def test_malformed_conversations_are_config_errors_naming_the_record(tmp_path, row, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(ConfigError, match=message):
+        read_conversations(path)
+
+
+def test_generated_conversations_are_the_solved_calculator_problems():
+    config = DataConfig(generated_train_size=20, generated_eval_size=5)
+    train, held_out = load_conversations(config, seed=3)
+    prompts, _ = load_datasets(config, seed=3)
+    assert [c.conversation_id for c in train] == [p.prompt_id for p in prompts]
+    assert [c.messages[:2] for c in train] == [p.messages for p in prompts]
+    assert all(c.messages[-1]["content"].startswith("#### ") for c in train + held_out)
+    assert all(c.tools == TOOLS for c in train + held_out)
+    assert len(held_out) == 5 and held_out[0].conversation_id == "calculator-test-0"
