@@ -31,7 +31,7 @@ from trainer_svc.data import ConversationRecord, EpochSampler, load_conversation
 from trainer_svc.fsdp import Batch, FsdpPolicy
 from trainer_svc.report import LOSS_PLOT
 from turnrl.chat_tokens import conversation_ids_and_loss_mask
-from turnrl.errors import ConfigError, FailedPreconditionError, InvalidArgumentError
+from turnrl.errors import ConfigError, TurnrlError
 
 Example = tuple[list[int], list[bool]]  # one conversation's token ids and loss mask
 
@@ -56,8 +56,9 @@ def tokenize_conversations(
             ids, loss_mask = conversation_ids_and_loss_mask(
                 tokenizer, record.messages, record.tools
             )
-        except (InvalidArgumentError, FailedPreconditionError, jinja2.TemplateError) as e:
-            raise ConfigError(f"conversation {record.conversation_id}: {e}") from None
+        # The template's own errors too: it may refuse messages (a role order, a content type).
+        except (TurnrlError, jinja2.TemplateError, TypeError, ValueError, KeyError) as e:
+            raise ConfigError(f"conversation {record.conversation_id}: {e}") from e
         if len(ids) > max_length:
             raise ConfigError(
                 f"conversation {record.conversation_id} has {len(ids)} tokens, more than "
@@ -68,6 +69,7 @@ def tokenize_conversations(
 
 
 def examples_batch(examples: list[Example], pad_token_id: int) -> Batch:
+    """The examples as one right-padded batch, the loss on their loss-mask tokens."""
     return Batch.from_sequences(
         [ids for ids, _ in examples],
         [loss_mask for _, loss_mask in examples],
@@ -89,23 +91,25 @@ class SftController(RunLoop):
         model_path, tokenizer = await self._model_and_tokenizer()
         train, held_out = await asyncio.to_thread(load_conversations, config.data, config.seed)
         max_length = config.sft.max_length
-        self.train = await asyncio.to_thread(tokenize_conversations, tokenizer, train, max_length)
-        self.held_out = await asyncio.to_thread(
+        self.train_examples = await asyncio.to_thread(
+            tokenize_conversations, tokenizer, train, max_length
+        )
+        self.held_out_examples = await asyncio.to_thread(
             tokenize_conversations, tokenizer, held_out, max_length
         )
+        self.sampler = EpochSampler(self.train_examples, config.seed, config.data.shuffle)
         if config.sft.epochs is not None:
-            per_epoch = len(self.train) / config.sft.conversations_per_step
+            per_epoch = len(self.train_examples) / config.sft.conversations_per_step
             self.total_steps = math.ceil(config.sft.epochs * per_epoch)
         optim = config.optim.for_run(self.total_steps)
         self.policy = await asyncio.to_thread(FsdpPolicy, model_path, optim)
-        self.sampler = EpochSampler(self.train, config.seed, config.data.shuffle)
         resumed = resume and await self._restore_checkpoint() is not None
         self._open_report(resumed, LOSS_PLOT)
-        tokens = sum(len(ids) for ids, _ in self.train)
-        loss_tokens = sum(sum(loss_mask) for _, loss_mask in self.train)
+        tokens = sum(len(ids) for ids, _ in self.train_examples)
+        loss_tokens = sum(sum(loss_mask) for _, loss_mask in self.train_examples)
         message = (
-            f"model {model_path}; {len(self.train)} conversations of {tokens} tokens, "
-            f"{loss_tokens} of them trained on; {len(self.held_out)} held out"
+            f"model {model_path}; {len(self.train_examples)} conversations of {tokens} tokens, "
+            f"{loss_tokens} of them trained on; {len(self.held_out_examples)} held out"
         )
         self.emit(ProgressEvent(self.step, "setup", message=message))
         await self._train_to_end()
@@ -124,7 +128,7 @@ class SftController(RunLoop):
             "train/lr": result["lr"],
             "train/loss_tokens": float(batch.loss_mask.sum()),
             "train/tokens_per_s": float(batch.attention_mask.sum()) / seconds,
-            "train/epoch": self.sampler.position / len(self.train),
+            "train/epoch": self.sampler.position / len(self.train_examples),
             "time/train": seconds,
         }
         self.report.log(self.step, metrics)
@@ -132,7 +136,7 @@ class SftController(RunLoop):
         await self._evaluate_and_checkpoint_when_due()
 
     async def _evaluate(self) -> None:
-        if not self.held_out:
+        if not self.held_out_examples:
             return
         started = time.monotonic()
         loss = await asyncio.to_thread(self._held_out_loss)
@@ -142,12 +146,12 @@ class SftController(RunLoop):
             "time/eval": time.monotonic() - started,
         }
         self.report.log(self.step, metrics)
-        message = f"held-out loss {loss:.4f} on {len(self.held_out)} conversations"
+        message = f"held-out loss {loss:.4f} on {len(self.held_out_examples)} conversations"
         self.emit(ProgressEvent(self.step, "eval", metrics, message))
 
     def _held_out_loss(self) -> float:
         """Cross-entropy per loss token over all held-out conversations (worker thread)."""
-        batch = examples_batch(self.held_out, self.pad_token_id)
+        batch = examples_batch(self.held_out_examples, self.pad_token_id)
         logprobs, _ = self.policy.logprobs(batch)
         return float(-logprobs[batch.loss_mask].sum() / batch.loss_mask.sum())
 
@@ -162,7 +166,7 @@ class SftController(RunLoop):
             "mode": "sft",
             "steps": self.step,
             "stopped_early": self.step < self.total_steps,
-            "epochs": round(self.sampler.position / len(self.train), 3),
+            "epochs": round(self.sampler.position / len(self.train_examples), 3),
             "initial_eval_loss": report.first("eval/loss"),
             "final_eval_loss": report.last("eval/loss"),
             "initial_train_loss": report.first("train/loss"),

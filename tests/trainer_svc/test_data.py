@@ -2,6 +2,7 @@
 the generated calculator data, and the seeded, resumable order of training batches."""
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -50,11 +51,16 @@ VERL_ROWS = [
 ]
 
 
+def parquet_and_jsonl(folder: Path, stem: str, rows: list[dict]) -> tuple[Path, Path]:
+    """`rows` written as <stem>.parquet and as <stem>.jsonl in `folder`."""
+    parquet, jsonl = folder / f"{stem}.parquet", folder / f"{stem}.jsonl"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    jsonl.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return parquet, jsonl
+
+
 def test_parquet_and_jsonl_give_the_same_records(tmp_path):
-    parquet = tmp_path / "train.parquet"
-    pq.write_table(pa.Table.from_pylist(VERL_ROWS), parquet)
-    jsonl = tmp_path / "train.jsonl"
-    jsonl.write_text("".join(json.dumps(row) + "\n" for row in VERL_ROWS))
+    parquet, jsonl = parquet_and_jsonl(tmp_path, "train", VERL_ROWS)
     from_parquet, from_jsonl = read_records(parquet), read_records(jsonl)
     assert from_parquet[1] == from_jsonl[1]
     first = from_parquet[0]
@@ -166,10 +172,7 @@ SFT_ROWS = [
 
 
 def test_sft_conversations_from_parquet_and_jsonl_are_what_templates_render(tmp_path):
-    parquet = tmp_path / "sft.parquet"
-    pq.write_table(pa.Table.from_pylist(SFT_ROWS), parquet)
-    jsonl = tmp_path / "sft.jsonl"
-    jsonl.write_text("".join(json.dumps(row) + "\n" for row in SFT_ROWS))
+    parquet, jsonl = parquet_and_jsonl(tmp_path, "sft", SFT_ROWS)
     from_parquet, from_jsonl = read_conversations(parquet), read_conversations(jsonl)
     assert [(c.messages, c.tools) for c in from_parquet] == [
         (c.messages, c.tools) for c in from_jsonl
