@@ -45,7 +45,9 @@ class DataConfig(StrictModel):
         gt=0,
         description="Evaluate on at most this many held-out prompts (SFT: conversations).",
     )
-    shuffle: bool = Field(default=True, description="Shuffle the training prompts every epoch.")
+    shuffle: bool = Field(
+        default=True, description="Shuffle the training prompts (SFT: conversations) every epoch."
+    )
 
 
 class RolloutRequestConfig(StrictModel):
