@@ -8,9 +8,12 @@ checkpoint; repeat.
               critic [with gae] and the policy) -> push -> [eval] -> [checkpoint]
 
 Model compute runs in a worker thread, so the trainer service keeps answering RPCs (GetRun,
-StopRun) during a step. Every stage reports a ProgressEvent through `emit`.
+StopRun) during a step. Every stage reports a ProgressEvent through `emit`. `RunLoop` holds what
+this loop shares with the SFT loop (trainer_svc/sft.py): stop and checkpoint requests, the
+report, the end of the run.
 """
 
+import abc
 import asyncio
 import logging
 import time
@@ -26,9 +29,9 @@ from transformers import AutoTokenizer
 from trainer_svc.checkpoint import load_latest_checkpoint, save_checkpoint
 from trainer_svc.config import TrainerConfig
 from trainer_svc.critic import FsdpCritic
-from trainer_svc.data import PromptRecord, PromptSampler, load_datasets
-from trainer_svc.fsdp import FsdpPolicy, TrainSettings
-from trainer_svc.report import RunReport
+from trainer_svc.data import EpochSampler, PromptRecord, load_datasets
+from trainer_svc.fsdp import FsdpPolicy
+from trainer_svc.report import REWARD_PLOT, Plot, RunReport
 from trainer_svc.rl_step import (
     RolloutBatch,
     keep_groups_with_signal,
@@ -68,8 +71,15 @@ class CheckpointRequest:
     done: asyncio.Future  # resolves to (checkpoint folder, step)
 
 
-class Controller:
-    """Runs one run to its end, or until `request_stop`."""
+class RunLoop(abc.ABC):
+    """What the loop of every kind of run shares (the RL `Controller` here, and
+    trainer_svc.sft.SftController): its step, stop and checkpoint requests, its report, and the
+    end of the run. A subclass's `run` sets `policy`, writes checkpoints with `_checkpoint` and
+    describes the run with `_summary`."""
+
+    policy: FsdpPolicy
+    sampler: EpochSampler
+    report: RunReport
 
     def __init__(
         self, config: TrainerConfig, run_dir: Path, emit: Callable[[ProgressEvent], None]
@@ -78,26 +88,115 @@ class Controller:
         self.run_dir = run_dir
         self.emit = emit
         self.step = 0
+        self.total_steps = config.steps  # a subclass may count it from its data instead
         self.stop_requested = False
         self.checkpoint_requests: list[CheckpointRequest] = []
-        self._policy_version = 0
         self._checkpointed_step = -1
 
     def request_stop(self) -> None:
         self.stop_requested = True
 
+    @abc.abstractmethod
+    async def run(self, resume: bool) -> dict[str, Any]:
+        """Trains to `total_steps` or a stop; returns the summary written to summary.json."""
+
+    @abc.abstractmethod
+    async def _train_step(self) -> None:
+        """Takes the next step, then `_evaluate_and_checkpoint_when_due`."""
+
+    @abc.abstractmethod
+    async def _evaluate(self) -> None:
+        """Measures the policy on the held-out data and logs it, with `eval/step`."""
+
+    @abc.abstractmethod
+    async def _checkpoint(self) -> None:
+        """Saves this step's checkpoint with `_save_checkpoint`."""
+
+    @abc.abstractmethod
+    def _summary(self, wall_seconds: float) -> dict[str, Any]:
+        """What summary.json says about the run."""
+
+    async def _model_and_tokenizer(self) -> tuple[str, Any]:
+        """The initial policy's folder (None in the config: the tiny calculator model) and its
+        tokenizer; sets `pad_token_id`."""
+        model_path = self.config.model_path or str(await asyncio.to_thread(build_tiny_model))
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_path)
+        self.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
+        return model_path, tokenizer
+
+    async def _restore_checkpoint(self) -> dict[str, Any] | None:
+        """Restores the policy, the data position and the step of the run's latest checkpoint;
+        returns the checkpoint's state, or None when there is none."""
+        state = await asyncio.to_thread(load_latest_checkpoint, self.run_dir)
+        if state is not None:
+            await asyncio.to_thread(self.policy.load_checkpoint_state, state["policy"])
+            self.sampler.position = state["data_position"]
+            self.step = self._checkpointed_step = state["step"]
+        return state
+
+    def _open_report(self, resumed: bool, plot: Plot) -> None:
+        self.report = RunReport(
+            self.run_dir,
+            self.run_dir.name,
+            self.config.wandb_mode,
+            self.config.model_dump(mode="json"),
+            plot,
+            resumed_step=self.step if resumed else None,
+        )
+
+    async def _train_to_end(self) -> None:
+        """Evaluates the starting policy, steps to `total_steps` or a stop, evaluates the last."""
+        if self.step == 0:
+            await self._evaluate()
+        while self.step < self.total_steps and not self.stop_requested:
+            await self._train_step()
+        if self.report.last("eval/step") != self.step:
+            await self._evaluate()
+
+    async def _evaluate_and_checkpoint_when_due(self) -> None:
+        """The end of a step: evaluate every `eval_every` steps (the last step's evaluation is
+        the run's final one), checkpoint every `checkpoint_every` steps or when asked to."""
+        every = self.config.eval_every
+        if every and self.step % every == 0 and self.step < self.total_steps:
+            await self._evaluate()
+        every = self.config.checkpoint_every
+        if (every and self.step % every == 0) or self.checkpoint_requests:
+            await self._checkpoint()
+
+    async def _save_checkpoint(self, state: dict[str, Any]) -> None:
+        """Writes `state` as this step's checkpoint and answers the SaveCheckpoint calls waiting."""
+        folder = await asyncio.to_thread(save_checkpoint, self.run_dir, self.step, state)
+        self._checkpointed_step = self.step
+        for request in self.checkpoint_requests:
+            request.done.set_result((folder, self.step))
+        self.checkpoint_requests.clear()
+        self.emit(ProgressEvent(self.step, "checkpoint", message=str(folder)))
+
+    async def _finish(self, model_path: str, started: float) -> dict[str, Any]:
+        """Ends the run: a checkpoint of its last step, the policy in Hugging Face format in
+        final_model/, then curves.png and summary.json; returns the summary."""
+        if self._checkpointed_step != self.step:
+            await self._checkpoint()
+        export = self.run_dir / FINAL_MODEL
+        await asyncio.to_thread(self.policy.save_pretrained, export, model_path)
+        summary = self.report.finish(self._summary(time.monotonic() - started))
+        self.emit(ProgressEvent(self.step, "done", message=f"summary {self.run_dir}/summary.json"))
+        return summary
+
+
+class Controller(RunLoop):
+    """Runs one RL run to its end, or until `request_stop`."""
+
     async def run(self, resume: bool) -> dict[str, Any]:
         """Trains to `config.steps` or a stop; returns the summary written to summary.json."""
         started = time.monotonic()
         config = self.config
-        model_path = config.model_path or str(await asyncio.to_thread(build_tiny_model))
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_path)
-        self.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
+        model_path, _ = await self._model_and_tokenizer()
         algorithm = config.algorithm
         updates_per_step = algorithm.ppo_epochs * algorithm.mini_batches
         # critic_only_steps is 0 unless gae (the config refuses a critic section otherwise).
         policy_steps = config.steps - config.critic.critic_only_steps
-        optim = _with_schedule_length(config.optim, policy_steps * updates_per_step)
+        optim = config.optim.for_run(policy_steps * updates_per_step)
         self.policy = await asyncio.to_thread(FsdpPolicy, model_path, optim)
         self.reference = (
             await asyncio.to_thread(FsdpPolicy, model_path, optim)
@@ -106,17 +205,14 @@ class Controller:
         )
         self.critic = None
         if algorithm.advantage_estimator == "gae":
-            critic_optim = _with_schedule_length(
-                config.critic.optim, config.steps * updates_per_step
-            )
+            critic_optim = config.critic.optim.for_run(config.steps * updates_per_step)
             critic_path = config.critic.model_path or model_path
             self.critic = await asyncio.to_thread(FsdpCritic, critic_path, critic_optim)
         train, self.held_out = load_datasets(config.data, config.seed)
-        self.sampler = PromptSampler(train, config.seed, config.data.shuffle)
+        self.sampler = EpochSampler(train, config.seed, config.data.shuffle)
         self.generator = torch.Generator().manual_seed(config.seed)
-        state = load_latest_checkpoint(self.run_dir) if resume else None
+        state = await self._restore_checkpoint() if resume else None
         if state is not None:
-            await asyncio.to_thread(self.policy.load_checkpoint_state, state["policy"])
             if self.critic is not None:
                 if "critic" not in state:
                     raise ConfigError(
@@ -125,16 +221,8 @@ class Controller:
                         "run's own algorithm"
                     )
                 await asyncio.to_thread(self.critic.load_checkpoint_state, state["critic"])
-            self.sampler.position = state["data_position"]
             self.generator.set_state(state["generator"])
-            self.step = self._checkpointed_step = state["step"]
-        self.report = RunReport(
-            self.run_dir,
-            self.run_dir.name,
-            config.wandb_mode,
-            config.model_dump(mode="json"),
-            resumed_step=self.step if state is not None else None,
-        )
+        self._open_report(state is not None, REWARD_PLOT)
         async with (
             rpc.open_channel(config.rollout_service) as rollout_channel,
             rpc.open_channel(config.tool_service) as tool_channel,
@@ -149,24 +237,14 @@ class Controller:
                 timeout_seconds=config.weight_sync.timeout_seconds,
                 mode=config.weight_sync.mode,
             )
+            self._policy_version = 0  # the last weight version pushed
             try:
                 await self._push()
                 self.emit(ProgressEvent(self.step, "setup", message=f"model {model_path}"))
-                if self.step == 0:
-                    await self._evaluate()
-                while self.step < config.steps and not self.stop_requested:
-                    await self._train_step()
-                if self.report.last("eval/step") != self.step:
-                    await self._evaluate()
+                await self._train_to_end()
             finally:
                 self.pusher.close()
-        if self._checkpointed_step != self.step:
-            await self._checkpoint()
-        export = self.run_dir / FINAL_MODEL
-        await asyncio.to_thread(self.policy.save_pretrained, export, model_path)
-        summary = self.report.finish(self._summary(time.monotonic() - started))
-        self.emit(ProgressEvent(self.step, "done", message=f"summary {self.run_dir}/summary.json"))
-        return summary
+        return await self._finish(model_path, started)
 
     async def _train_step(self) -> None:
         self.step += 1
@@ -192,13 +270,7 @@ class Controller:
         timings["time/push"] = time.monotonic() - started
         self.emit(ProgressEvent(self.step, "push", {"time/push": timings["time/push"]}))
         self.report.log(self.step, {**metrics, **timings})
-
-        every = self.config.eval_every
-        if every and self.step % every == 0 and self.step < self.config.steps:
-            await self._evaluate()
-        every = self.config.checkpoint_every
-        if (every and self.step % every == 0) or self.checkpoint_requests:
-            await self._checkpoint()
+        await self._evaluate_and_checkpoint_when_due()
 
     async def _rollout(self) -> list[common_pb2.Trajectory]:
         """One batch of scored trajectories; with dynamic sampling, groups that teach nothing
@@ -320,12 +392,7 @@ class Controller:
         }
         if self.critic is not None:
             state["critic"] = await asyncio.to_thread(self.critic.state_dict_for_checkpoint)
-        folder = await asyncio.to_thread(save_checkpoint, self.run_dir, self.step, state)
-        self._checkpointed_step = self.step
-        for request in self.checkpoint_requests:
-            request.done.set_result((folder, self.step))
-        self.checkpoint_requests.clear()
-        self.emit(ProgressEvent(self.step, "checkpoint", message=str(folder)))
+        await self._save_checkpoint(state)
 
     async def _tool_schemas(self, tools: tool_pb2_grpc.ToolServiceStub) -> list:
         wanted = self.config.rollout.tools
@@ -362,10 +429,3 @@ class Controller:
             "final_model": str(self.run_dir / FINAL_MODEL),
         }
 
-
-def _with_schedule_length(settings: TrainSettings, optimizer_steps: int) -> TrainSettings:
-    """`settings` with a cosine schedule's total_steps set to the run's `optimizer_steps`, when
-    the config left it 0 for the trainer to fill in."""
-    if settings.lr_schedule != "cosine" or settings.total_steps != 0:
-        return settings
-    return TrainSettings.model_validate({**settings.model_dump(), "total_steps": optimizer_steps})

@@ -1,26 +1,38 @@
-"""Training and held-out prompts: verl-format parquet/JSONL files, or generated calculator
-problems, and the epoch-wise order the controller draws batches in.
+"""Training and held-out data: prompts (RL) or written conversations (SFT), from verl-format
+parquet/JSONL files or generated calculator problems, and the epoch-wise order the controller
+draws batches in.
 
-A verl record is {"prompt": [chat messages], "data_source": str, "reward_model":
+A verl RL record is {"prompt": [chat messages], "data_source": str, "reward_model":
 {"ground_truth": ...}, "extra_info": {"tools_kwargs": {...}, "interaction_kwargs": {...}, ...}}.
+A verl multi-turn SFT record is {"messages": [chat messages], "tools": [tool schemas]}; in
+parquet, `tools` and tool-call `arguments` are best stored as JSON text, since a parquet struct
+takes the union of all rows' keys.
 """
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import pyarrow.parquet as pq
 from google.protobuf import json_format
 
 from trainer_svc.config import DataConfig
-from turnrl.calculator_data import ProblemSettings, generate_problems
+from turnrl.calculator_data import (
+    TOOLS,
+    CalculatorProblem,
+    ProblemSettings,
+    Split,
+    generate_problems,
+)
 from turnrl.errors import ConfigError
-from turnrl.messages import dict_to_message
+from turnrl.messages import ROLES_BY_NAME, dict_to_message
 from turnrl.v1 import common_pb2, rollout_pb2
 
 CALCULATOR_DATA_SOURCE = "openai/gsm8k"
+Record = TypeVar("Record")
 
 
 @dataclass(frozen=True)
@@ -51,35 +63,79 @@ class PromptRecord:
         return prompt
 
 
+@dataclass(frozen=True)
+class ConversationRecord:
+    """One written conversation to fine-tune on, in the form chat templates render."""
+
+    conversation_id: str
+    messages: list[dict[str, Any]]  # OpenAI chat messages; tool-call arguments as objects
+    tools: list[dict[str, Any]] | None  # OpenAI tool schemas rendered with the messages
+
+
 def load_datasets(config: DataConfig, seed: int) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """The training and held-out prompts. Raises ConfigError for unreadable or malformed files."""
+    return _load(config, seed, read_records, _prompt_of_problem)
+
+
+def load_conversations(
+    config: DataConfig, seed: int
+) -> tuple[list[ConversationRecord], list[ConversationRecord]]:
+    """The training and held-out conversations. Raises ConfigError for unreadable or malformed
+    files, naming the record."""
+    return _load(config, seed, read_conversations, _conversation_of_problem)
+
+
+def read_records(path: Path) -> list[PromptRecord]:
+    """The prompt records of one verl-format parquet or JSONL file."""
+    return [_record(row, f"{path.stem}-{index}", path) for index, row in enumerate(_rows(path))]
+
+
+def read_conversations(path: Path) -> list[ConversationRecord]:
+    """The conversations of one parquet or JSONL file in verl's multi-turn SFT format."""
+    rows = _rows(path)
+    return [_conversation(row, f"{path.stem}-{index}", path) for index, row in enumerate(rows)]
+
+
+def _load(
+    config: DataConfig,
+    seed: int,
+    read_file: Callable[[Path], list[Record]],
+    of_problem: Callable[[CalculatorProblem, str], Record],
+) -> tuple[list[Record], list[Record]]:
+    """Training and held-out records from the configured files, or from generated calculator
+    problems (`of_problem` makes a record of a problem and its id)."""
     if not config.train_files:
         try:
             settings = ProblemSettings(**config.generated_problems)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"trainer.data.generated_problems: {e}") from None
-        train = _calculator_records(config.generated_train_size, seed, "train", settings)
-        held_out = _calculator_records(config.generated_eval_size, seed, "test", settings)
+
+        def generated(count: int, split: Split) -> list[Record]:
+            problems = generate_problems(count, seed=seed, split=split, settings=settings)
+            return [
+                of_problem(p, f"calculator-{split}-{index}") for index, p in enumerate(problems)
+            ]
+
+        train = generated(config.generated_train_size, "train")
+        held_out = generated(config.generated_eval_size, "test")
     else:
-        train = [r for path in config.train_files for r in read_records(path)]
-        held_out = [r for path in config.eval_files for r in read_records(path)]
+        train = [r for path in config.train_files for r in read_file(path)]
+        held_out = [r for path in config.eval_files for r in read_file(path)]
     if config.max_eval_prompts is not None:
         held_out = held_out[: config.max_eval_prompts]
     return train, held_out
 
 
-def read_records(path: Path) -> list[PromptRecord]:
-    """The records of one verl-format parquet or JSONL file."""
+def _rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of one parquet or JSONL file."""
     try:
         if path.suffix == ".parquet":
-            rows = pq.read_table(path).to_pylist()
-        elif path.suffix in (".jsonl", ".json"):
-            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        else:
-            raise ConfigError(f"data file {path}: expected .parquet or .jsonl")
+            return pq.read_table(path).to_pylist()
+        if path.suffix in (".jsonl", ".json"):
+            return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     except (OSError, ValueError) as e:
         raise ConfigError(f"data file {path}: {e}") from None
-    return [_record(row, f"{path.stem}-{index}", path) for index, row in enumerate(rows)]
+    raise ConfigError(f"data file {path}: expected .parquet or .jsonl")
 
 
 def _record(row: dict[str, Any], default_id: str, path: Path) -> PromptRecord:
@@ -105,36 +161,87 @@ def _record(row: dict[str, Any], default_id: str, path: Path) -> PromptRecord:
     )
 
 
+def _conversation(row: dict[str, Any], record_id: str, path: Path) -> ConversationRecord:
+    where = f"data file {path}, record {record_id}"
+    messages = row.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(f"{where}: `messages` must be a non-empty list of chat messages")
+    tools = _from_json_text(row.get("tools"), f"{where}: `tools`")
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools)
+    ):
+        raise ConfigError(f"{where}: `tools` must be a list of tool schemas, got {tools!r}")
+    return ConversationRecord(
+        conversation_id=record_id,
+        messages=[
+            _chat_message(message, f"{where}, message {index}")
+            for index, message in enumerate(messages)
+        ],
+        tools=_drop_nulls(tools) or None,
+    )
+
+
+def _chat_message(message: Any, where: str) -> dict[str, Any]:
+    """An OpenAI chat message as chat templates take it: no null fields, tool-call arguments
+    as an object (OpenAI's API gives them as JSON text; templates write them with `tojson`)."""
+    if not isinstance(message, dict) or message.get("role") not in ROLES_BY_NAME:
+        raise ConfigError(
+            f"{where}: expected a chat message with a role in {sorted(ROLES_BY_NAME)}, "
+            f"got {message!r}"
+        )
+    message = _drop_nulls(message)
+    message.setdefault("content", "")  # OpenAI leaves it null beside tool calls
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ConfigError(f"{where}: a tool call needs `function.name`, got {call!r}")
+        arguments = _from_json_text(function.get("arguments", {}), f"{where}: tool call arguments")
+        if not isinstance(arguments, dict):
+            raise ConfigError(f"{where}: tool call arguments must be an object, got {arguments!r}")
+        function["arguments"] = arguments
+    return message
+
+
+def _from_json_text(value: Any, what: str) -> Any:
+    """`value` decoded when it is JSON text, else as it is."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{what} is not valid JSON: {e}") from None
+
+
 def _drop_nulls(value: Any) -> Any:
     """Parquet gives every struct the union of all rows' keys, absent ones as None."""
     if isinstance(value, dict):
         return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nulls(item) for item in value]
     return value
 
 
-def _calculator_records(
-    count: int, seed: int, split: str, settings: ProblemSettings
-) -> list[PromptRecord]:
-    return [
-        PromptRecord(
-            prompt_id=f"calculator-{split}-{index}",
-            messages=problem.prompt_messages,
-            data_source=CALCULATOR_DATA_SOURCE,
-            ground_truth=str(problem.answer),
-        )
-        for index, problem in enumerate(
-            generate_problems(count, seed=seed, split=split, settings=settings)
-        )
-    ]
+def _prompt_of_problem(problem: CalculatorProblem, record_id: str) -> PromptRecord:
+    return PromptRecord(
+        prompt_id=record_id,
+        messages=problem.prompt_messages,
+        data_source=CALCULATOR_DATA_SOURCE,
+        ground_truth=str(problem.answer),
+    )
 
 
-class PromptSampler:
-    """Batches of training prompts, epoch after epoch, in a seeded order per epoch.
+def _conversation_of_problem(problem: CalculatorProblem, record_id: str) -> ConversationRecord:
+    return ConversationRecord(conversation_id=record_id, messages=problem.messages, tools=TOOLS)
 
-    `position` (prompts drawn so far) is all a checkpoint needs to continue the same sequence.
+
+class EpochSampler(Generic[Record]):
+    """Batches of training records (prompts or conversations), epoch after epoch, in a seeded
+    order per epoch.
+
+    `position` (records drawn so far) is all a checkpoint needs to continue the same sequence.
     """
 
-    def __init__(self, records: list[PromptRecord], seed: int, shuffle: bool) -> None:
+    def __init__(self, records: list[Record], seed: int, shuffle: bool) -> None:
         if not records:
             raise ConfigError("the training set is empty")
         self._records = records
@@ -143,12 +250,12 @@ class PromptSampler:
         self.position = 0
         self._epoch_order: tuple[int, list[int]] = (-1, [])
 
-    def next_batch(self, size: int) -> list[PromptRecord]:
+    def next_batch(self, size: int) -> list[Record]:
         batch = [self._record_at(self.position + i) for i in range(size)]
         self.position += size
         return batch
 
-    def _record_at(self, position: int) -> PromptRecord:
+    def _record_at(self, position: int) -> Record:
         epoch, index = divmod(position, len(self._records))
         if self._epoch_order[0] != epoch:
             order = list(range(len(self._records)))

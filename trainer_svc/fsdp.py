@@ -103,6 +103,13 @@ class TrainSettings(StrictModel):
         4096, gt=0, description="Token budget of one micro-batch: rows x its longest row."
     )
 
+    def for_run(self, optimizer_steps: int) -> "TrainSettings":
+        """These settings for a run of `optimizer_steps` steps: a cosine schedule whose
+        `total_steps` is 0 decays over them."""
+        if self.lr_schedule != "cosine" or self.total_steps > 0:
+            return self
+        return TrainSettings.model_validate({**self.model_dump(), "total_steps": optimizer_steps})
+
     @model_validator(mode="after")
     def _cosine_needs_total_steps(self) -> Self:
         if self.lr_schedule == "cosine" and 0 < self.total_steps <= self.warmup_steps:

@@ -1,8 +1,10 @@
 """What a run leaves behind: metrics per step (metrics.jsonl and wandb), and at the end
-curves.png (reward and held-out accuracy against step) and summary.json."""
+curves.png (RL: reward and held-out accuracy against step; SFT: training and held-out loss) and
+summary.json."""
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,27 @@ SUMMARY_FILE = "summary.json"
 CURVES_FILE = "curves.png"
 
 
+@dataclass(frozen=True)
+class Plot:
+    """What curves.png shows: (metric, label, line style) per curve, on one y axis."""
+
+    curves: tuple[tuple[str, str, str], ...]
+    y_limits: tuple[float, float] | None  # None: fitted to the values
+
+
+REWARD_PLOT = Plot(
+    curves=(
+        ("rollout/reward_mean", "train reward (mean)", "-"),
+        ("eval/accuracy", "held-out accuracy", "o-"),
+    ),
+    y_limits=(-0.02, 1.02),
+)
+LOSS_PLOT = Plot(
+    curves=(("train/loss", "train loss", "-"), ("eval/loss", "held-out loss", "o-")),
+    y_limits=None,
+)
+
+
 class RunReport:
     """The metric history of one run, written as it grows; resumed runs append to it."""
 
@@ -27,11 +50,13 @@ class RunReport:
         run_name: str,
         wandb_mode: str,
         config: dict[str, Any],
+        plot: Plot,
         resumed_step: int | None = None,
     ) -> None:
         """`resumed_step`: the checkpoint's step a resumed run continues from; what the run
         logged after it (before it was killed) is dropped, as it will be logged again."""
         self.run_dir = run_dir
+        self.plot = plot
         path = run_dir / METRICS_FILE
         self.history = _read_history(path, resumed_step) if resumed_step is not None else []
         path.write_text("".join(json.dumps(record) + "\n" for record in self.history))
@@ -70,16 +95,14 @@ class RunReport:
 
     def _plot(self, path: Path) -> None:
         figure, axes = plt.subplots(figsize=(7, 4))
-        for name, label, style in [
-            ("rollout/reward_mean", "train reward (mean)", "-"),
-            ("eval/accuracy", "held-out accuracy", "o-"),
-        ]:
+        for name, label, style in self.plot.curves:
             points = [(r["step"], r[name]) for r in self.history if name in r]
             if points:
                 steps, values = zip(*points, strict=True)
                 axes.plot(steps, values, style, label=label)
         axes.set_xlabel("step")
-        axes.set_ylim(-0.02, 1.02)
+        if self.plot.y_limits is not None:
+            axes.set_ylim(*self.plot.y_limits)
         axes.grid(alpha=0.3)
         axes.legend()
         axes.set_title(self.run_dir.name)

@@ -13,7 +13,8 @@ from typing import Any
 import yaml
 
 from trainer_svc.config import TrainerConfig
-from trainer_svc.controller import CheckpointRequest, Controller, ProgressEvent
+from trainer_svc.controller import CheckpointRequest, Controller, ProgressEvent, RunLoop
+from trainer_svc.sft import SftController
 from turnrl.config import validate_config
 from turnrl.errors import (
     AlreadyExistsError,
@@ -27,6 +28,8 @@ from turnrl.v1 import trainer_pb2
 logger = logging.getLogger(__name__)
 State = trainer_pb2.Run.State
 ENDED = (State.STATE_SUCCEEDED, State.STATE_STOPPED, State.STATE_FAILED)
+# The loop of each `trainer.mode`.
+LOOPS: dict[str, type[RunLoop]] = {"rl": Controller, "sft": SftController}
 
 
 @dataclass
@@ -35,8 +38,7 @@ class RunRecord:
 
     name: str
     output_dir: Path
-    total_steps: int
-    controller: Controller = field(init=False)
+    controller: RunLoop = field(init=False)
     state: int = State.STATE_STARTING
     started: float = field(default_factory=time.time)
     ended: float | None = None
@@ -52,7 +54,7 @@ class RunRecord:
             name=self.name,
             state=self.state,
             step=self.controller.step,
-            total_steps=self.total_steps,
+            total_steps=self.controller.total_steps,
             output_dir=str(self.output_dir),
             error_message=self.error_message,
             metrics=self.metrics,
@@ -83,8 +85,8 @@ class TrainerService:
             )
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(config_yaml)
-        record = RunRecord(name, output_dir, config.steps)
-        record.controller = Controller(config, output_dir, partial(self._on_event, record))
+        record = RunRecord(name, output_dir)
+        record.controller = LOOPS[config.mode](config, output_dir, partial(self._on_event, record))
         self._runs[name] = record
         record.task = asyncio.create_task(self._run(record, resume))
         return record
@@ -147,7 +149,7 @@ class TrainerService:
     async def _run(self, record: RunRecord, resume: bool) -> None:
         try:
             await record.controller.run(resume)
-            stopped = record.controller.step < record.total_steps
+            stopped = record.controller.step < record.controller.total_steps
             self._set_state(record, State.STATE_STOPPED if stopped else State.STATE_SUCCEEDED)
         except Exception as e:  # a failed run is reported to its callers, not raised here
             logger.exception("run %s failed", record.name)

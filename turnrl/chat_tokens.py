@@ -32,6 +32,14 @@ The rules (DESIGN.md, "The trajectory is the unit of truth"):
   template's own text contains; a tokenizer loaded with `chat_control_tokens=[...]` names more.
   Text is split only around such spellings, so every other text tokenizes as in one render.
 
+**Written model turns.** For supervised fine-tuning the conversation is given, not sampled:
+`append_assistant_message` stands in for `append_model_turn`, with the ids a model writes for an
+assistant message, which are the template's render of it after the generation prompt, through
+the first stop token, rendered after `BASE_MESSAGES` like every difference. Everything between
+model turns still comes from `append_messages`, so a fine-tuning sequence is the trajectory of a
+policy that wrote exactly those assistant messages. `conversation_ids_and_loss_mask` does this
+for a whole conversation.
+
 Every call is synchronous CPU work (jinja plus the tokenizer: `append_messages` renders twice,
 about 7 ms with ten tool schemas and a 2 KB tool result), so async callers run it with
 `asyncio.to_thread`. One instance per trajectory; not thread-safe.
@@ -39,6 +47,7 @@ about 7 ms with ten tool schemas and a 2 KB tool result), so async callers run i
 
 import hashlib
 import inspect
+import itertools
 from collections.abc import Iterable
 from typing import Any
 
@@ -95,6 +104,9 @@ class ConversationTokens:
         self.messages: list[dict] = []
         # The ids of the last model turn until messages follow it; None while a model turn is due.
         self._model_turn_ids: list[int] | None = None
+        # Renders of BASE_MESSAGES alone and of the generation prompt after them, made once by
+        # `prompt_ids`: every difference starts from them.
+        self._base_ids: list[int] = []
         self._generation_prompt_ids: list[int] | None = None
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
@@ -105,10 +117,10 @@ class ConversationTokens:
             raise InvalidArgumentError("the prompt needs at least one message, got []")
         ids = self._render(list(messages), add_generation_prompt=True)
         # Worked out here, off the caller's event loop: the first render compiles the template.
-        base_ids = self._render(list(BASE_MESSAGES), add_generation_prompt=False)
+        self._base_ids = self._render(list(BASE_MESSAGES), add_generation_prompt=False)
         prompted_ids = self._render(list(BASE_MESSAGES), add_generation_prompt=True)
-        self._require_prefix(base_ids, prompted_ids, "the generation prompt")
-        self._generation_prompt_ids = prompted_ids[len(base_ids) :]
+        self._require_prefix(self._base_ids, prompted_ids, "the generation prompt")
+        self._generation_prompt_ids = prompted_ids[len(self._base_ids) :]
         self.messages = list(messages)
         return ids
 
@@ -127,12 +139,7 @@ class ConversationTokens:
         calls updates it in place (`content`, `tool_calls`) before `append_messages`, which
         renders it.
         """
-        if not self.messages:
-            raise FailedPreconditionError("append_model_turn before prompt_ids")
-        if self._model_turn_ids is not None:
-            raise FailedPreconditionError(
-                "two model turns in a row; append tool results or a user turn between them"
-            )
+        self._require_model_turn_due("append_model_turn")
         if not output_ids:
             raise InvalidArgumentError("a model turn needs at least one output id, got []")
         text_ids = output_ids[:-1] if self._ends_turn(output_ids) else output_ids
@@ -140,6 +147,41 @@ class ConversationTokens:
         self.messages.append(message)
         self._model_turn_ids = list(output_ids)
         return message
+
+    def append_assistant_message(self, message: dict) -> list[int]:
+        """Records the assistant `message` as this model turn and returns the ids a model writes
+        for it: the template's render of the message after the generation prompt, through the
+        first stop token. The message stands in the conversation as given.
+        """
+        self._require_model_turn_due("append_assistant_message")
+        if message.get("role") != "assistant":
+            raise InvalidArgumentError(f"expected an assistant message, got {message!r}")
+        opening_ids = self._base_ids + self.generation_prompt_ids
+        rendered_ids = self._render([*BASE_MESSAGES, message], add_generation_prompt=False)
+        self._require_prefix(opening_ids, rendered_ids, "an assistant message")
+        stop_at = next(
+            (
+                index
+                for index in range(len(opening_ids), len(rendered_ids))
+                if rendered_ids[index] in self._stop_token_ids
+            ),
+            None,
+        )
+        if stop_at is None:
+            raise FailedPreconditionError(
+                f"{self._template_name()} ends an assistant message with none of the stop tokens "
+                f"{sorted(self._stop_token_ids)}; a model cannot write it as one turn"
+            )
+        self.messages.append(message)
+        self._model_turn_ids = rendered_ids[len(opening_ids) : stop_at + 1]
+        return list(self._model_turn_ids)
+
+    def closing_ids(self) -> list[int]:
+        """The ids the template writes after the last model turn's stop token when the
+        conversation ends there (`\\n` in ChatML), which end a render of the whole conversation."""
+        return self._ids_after_model_turn(
+            [], add_generation_prompt=False, what="the end of the conversation"
+        )
 
     def append_messages(self, messages: list[dict]) -> list[int]:
         """Appends tool results, user turns or system notes after a model turn and returns only
@@ -156,6 +198,28 @@ class ConversationTokens:
                 f"roles {roles!r} are not all in {sorted(NON_MODEL_ROLES)}; model turns go "
                 "through append_model_turn"
             )
+        new_ids = self._ids_after_model_turn(
+            messages, add_generation_prompt=True, what=f"messages with roles {roles!r}"
+        )
+        self.messages.extend(messages)
+        self._model_turn_ids = None
+        return new_ids
+
+    def _require_model_turn_due(self, method: str) -> None:
+        if not self.messages:
+            raise FailedPreconditionError(f"{method} before prompt_ids")
+        if self._model_turn_ids is not None:
+            raise FailedPreconditionError(
+                "two model turns in a row; append tool results or a user turn between them"
+            )
+
+    def _ids_after_model_turn(
+        self, messages: list[dict], add_generation_prompt: bool, what: str
+    ) -> list[int]:
+        """What the template writes after the last model turn's stop token when `messages`
+        (described by `what`) follow it: the render of `BASE_MESSAGES`, that turn and them,
+        from that stop token's first copy past the base on."""
+        assert self._model_turn_ids is not None
         stop_id = self._model_turn_ids[-1]
         if not self._ends_turn(self._model_turn_ids):
             raise FailedPreconditionError(
@@ -163,21 +227,18 @@ class ConversationTokens:
                 f"{sorted(self._stop_token_ids)} (cut by max_new_tokens?); a conversation cannot "
                 "continue after it"
             )
-        base_ids = self._render(list(BASE_MESSAGES), add_generation_prompt=False)
         extended_ids = self._render(
-            [*BASE_MESSAGES, self.messages[-1], *messages], add_generation_prompt=True
+            [*BASE_MESSAGES, self.messages[-1], *messages], add_generation_prompt
         )
-        self._require_prefix(base_ids, extended_ids, f"messages with roles {roles!r}")
+        self._require_prefix(self._base_ids, extended_ids, what)
         try:
-            cut = extended_ids.index(stop_id, len(base_ids)) + 1
+            cut = extended_ids.index(stop_id, len(self._base_ids)) + 1
         except ValueError:
             raise FailedPreconditionError(
                 f"{self._template_name()} does not close an assistant turn with the token the "
-                f"model stopped on ({self._tokenizer.convert_ids_to_tokens(stop_id)!r}) when "
-                f"roles {roles!r} follow; the model's ids cannot continue this conversation"
+                f"model stopped on ({self._tokenizer.convert_ids_to_tokens(stop_id)!r}) before "
+                f"{what}; the model's ids cannot continue this conversation"
             ) from None
-        self.messages.extend(messages)
-        self._model_turn_ids = None
         return extended_ids[cut:]
 
     def _require_prefix(self, base_ids: list[int], extended_ids: list[int], what: str) -> None:
@@ -219,3 +280,46 @@ def _first_difference(left: list[int], right: list[int]) -> int:
         (i for i, (a, b) in enumerate(zip(left, right, strict=False)) if a != b),
         min(len(left), len(right)),
     )
+
+
+def conversation_ids_and_loss_mask(
+    tokenizer: Any,
+    messages: list[dict],
+    tools: list[dict] | None,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict | None = None,
+    stop_token_ids: Iterable[int] | None = None,
+) -> tuple[list[int], list[bool]]:
+    """A whole written conversation's token ids and loss mask, True on the tokens the model
+    writes: each assistant message's ids through its stop token (`append_assistant_message`).
+    False on the rest: the prompt (the messages before the first assistant message), tool
+    results, user turns, generation prompts, and what the template writes after the last turn.
+
+    The arguments are `ConversationTokens`'s. Raises InvalidArgumentError when no assistant
+    message follows the prompt or two assistant messages are adjacent, and
+    FailedPreconditionError when the template cannot split the conversation into turns.
+    """
+    roles = [message.get("role") for message in messages]
+    # Each model turn: an assistant message, then the messages up to the next one.
+    starts = [index for index, role in enumerate(roles) if role == "assistant"]
+    if not starts or starts[0] == 0:
+        raise InvalidArgumentError(
+            f"a conversation needs an assistant message after the first message; roles {roles!r}"
+        )
+    if any(a == b == "assistant" for a, b in itertools.pairwise(roles)):
+        raise InvalidArgumentError(
+            f"two assistant messages in a row in roles {roles!r}; a model turn ends where "
+            "tool results or a user turn begin"
+        )
+    tokens = ConversationTokens(
+        tokenizer, chat_template, tools, chat_template_kwargs, stop_token_ids=stop_token_ids
+    )
+    ids = tokens.prompt_ids(messages[: starts[0]])
+    loss_mask = [False] * len(ids)
+    for start, end in zip(starts, [*starts[1:], len(messages)], strict=True):
+        turn_ids = tokens.append_assistant_message(messages[start])
+        following = messages[start + 1 : end]
+        after_ids = tokens.append_messages(following) if following else tokens.closing_ids()
+        ids += turn_ids + after_ids
+        loss_mask += [True] * len(turn_ids) + [False] * len(after_ids)
+    return ids, loss_mask

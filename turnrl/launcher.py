@@ -167,6 +167,9 @@ async def follow_run(
         bar = progress.add_task(run.name, total=run.total_steps, status="starting")
         request = trainer_pb2.StreamProgressRequest(run_name=run.name)
         async for event in stub.StreamProgress(request):
+            if event.stage == "setup":  # an SFT run counted in epochs knows its length from here
+                reply = await stub.GetRun(trainer_pb2.GetRunRequest(run_name=run.name), timeout=30)
+                progress.update(bar, total=reply.run.total_steps)
             progress.update(bar, completed=event.step, status=_status_line(event))
             if event.stage in ("eval", "setup", "state") and event.message:
                 progress.console.print(f"step {event.step}: {event.stage}: {event.message}")
@@ -183,6 +186,8 @@ def _status_line(event: trainer_pb2.StreamProgressResponse) -> str:
     shown = {
         "rollout/reward_mean": "reward",
         "eval/accuracy": "eval acc",
+        "train/loss": "loss",
+        "eval/loss": "eval loss",
         "train/grad_norm": "grad",
         "mismatch/mean_abs_diff": "mismatch",
     }

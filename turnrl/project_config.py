@@ -46,10 +46,13 @@ class ProjectConfig(StrictModel):
         overrides: the trainer by `trainer_service`, the rollout service by
         `trainer.rollout_service`, the tool service by `trainer.tool_service` or
         `rollout.tool_service`, the reward service by `rollout.reward_service` (or when the
-        rollout service is, as only it calls the reward service). Raises ConfigError when a
-        service that runs elsewhere would have to call one started here, on this machine's
-        loopback.
+        rollout service is, as only it calls the reward service). An SFT run
+        (`trainer.mode: sft`) calls no other service: only the trainer is needed. Raises
+        ConfigError when a service that runs elsewhere would have to call one started here, on
+        this machine's loopback.
         """
+        if self.trainer.mode == "sft":
+            return [] if self.trainer_service is not None else ["trainer"]
         pointed_at = {
             "trainer": self.trainer_service is not None,
             "rollout": "rollout_service" in self.trainer.model_fields_set,

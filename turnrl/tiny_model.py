@@ -6,9 +6,10 @@ be downloaded. `build_tiny_model` makes one from scratch in a few minutes on a C
 1. a byte-level BPE tokenizer trained on rendered calculator conversations, with Qwen2.5's chat
    tokens and its chat template (`qwen2.5-instruct.jinja` from the fixtures);
 2. a randomly initialised Qwen3 model of about 0.4M parameters (2 layers, width 128);
-3. supervised fine-tuning on those conversations, with the loss on the assistant's tokens only,
-   so that greedy decoding writes `<tool_call>{"name": "calculator", ...}</tool_call>` and,
-   after the tool's response, `#### <the tool's number>`.
+3. supervised fine-tuning on those conversations, with the loss on the assistant's tokens only
+   (`turnrl.chat_tokens.conversation_ids_and_loss_mask`, as in the trainer's SFT mode), so that
+   greedy decoding writes `<tool_call>{"name": "calculator", ...}</tool_call>` and, after the
+   tool's response, `#### <the tool's number>`.
 
 The result is saved with `save_pretrained` into a folder named by a hash of the settings, the
 template and FORMAT_VERSION; the folder appears by an atomic rename, so a folder that exists is
@@ -34,6 +35,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from turnrl.calculator_data import TOOLS, ProblemSettings, generate_problems
+from turnrl.chat_tokens import conversation_ids_and_loss_mask
 from turnrl.config import cache_dir, fixtures_dir
 
 logger = logging.getLogger(__name__)
@@ -161,7 +163,9 @@ def _build(
         len(tokenizer),
         time.monotonic() - started,
     )
-    examples = [_tokenize_with_loss_mask(tokenizer, messages) for messages in conversations]
+    examples = [
+        conversation_ids_and_loss_mask(tokenizer, messages, TOOLS) for messages in conversations
+    ]
     model = _new_model(tokenizer, settings, seed)
     logger.info(
         "tiny model: %d parameters, %d examples of %d tokens on average",
@@ -213,46 +217,6 @@ def _train_tokenizer(
     )
 
 
-def _tokenize_with_loss_mask(
-    tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, Any]]
-) -> tuple[list[int], list[int]]:
-    """The conversation's token ids, and 1 on the tokens the assistant writes, else 0.
-
-    Segments are cut where rendering one more message extends the text, and tokenized one by
-    one, as the rollout service tokenizes a trajectory. An assistant turn's loss covers its text
-    after the generation prompt through its end-of-turn token; the newline the template puts
-    after that token is the template's, not the model's.
-    """
-    ids: list[int] = []
-    loss_mask: list[int] = []
-    rendered = ""
-    for end in range(1, len(messages) + 1):
-        full = _render(tokenizer, messages[:end], add_generation_prompt=False)
-        assert full.startswith(rendered), "a message changed the rendering of earlier ones"
-        if messages[end - 1]["role"] == "assistant":
-            prompt = _render(tokenizer, messages[: end - 1], add_generation_prompt=True)
-            assert full.startswith(prompt), "the generation prompt is not the turn's start"
-            completion_end = full.rindex(EOS_TOKEN) + len(EOS_TOKEN)
-            pieces = [(prompt[len(rendered) :], 0), (full[len(prompt) : completion_end], 1)]
-            pieces.append((full[completion_end:], 0))
-        else:
-            pieces = [(full[len(rendered) :], 0)]
-        for text, mask in pieces:
-            piece_ids = tokenizer.encode(text, add_special_tokens=False)
-            ids += piece_ids
-            loss_mask += [mask] * len(piece_ids)
-        rendered = full
-    return ids, loss_mask
-
-
-def _render(
-    tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, Any]], add_generation_prompt: bool
-) -> str:
-    return tokenizer.apply_chat_template(
-        messages, tools=TOOLS, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
-
-
 def _new_model(
     tokenizer: PreTrainedTokenizerFast, settings: TinyModelSettings, seed: int
 ) -> Qwen3ForCausalLM:
@@ -281,7 +245,7 @@ def _new_model(
 
 def _finetune(
     model: Qwen3ForCausalLM,
-    examples: list[tuple[list[int], list[int]]],
+    examples: list[tuple[list[int], list[bool]]],
     pad_token_id: int,
     settings: TinyModelSettings,
     seed: int,
@@ -366,7 +330,7 @@ def _learning_rate_factor(step: int, settings: TinyModelSettings) -> float:
 
 
 def _pad(
-    examples: list[tuple[list[int], list[int]]], pad_token_id: int
+    examples: list[tuple[list[int], list[bool]]], pad_token_id: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ids, attention mask and loss mask of a batch."""
     length = max(len(ids) for ids, _ in examples)

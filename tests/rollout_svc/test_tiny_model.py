@@ -19,7 +19,10 @@ from turnrl.calculator_data import (
     generate_problems,
     split_of,
 )
+from turnrl.chat_tokens import conversation_ids_and_loss_mask
 from turnrl.tiny_model import SPECIAL_TOKENS, TOOL_TOKENS, build_tiny_model
+
+from ..turnrl.test_conversation_loss_mask import masked_runs
 
 HELD_OUT_QUESTIONS = 20
 # Measured with the default settings and seed 0: on these 20 questions 100% of first turns are
@@ -151,6 +154,25 @@ def test_chat_template_is_qwen25_and_renders_tools(tokenizer, fixtures):
         "input_ids"
     ]
     assert tokenizer.decode(ids).endswith("<|im_start|>user\n" + problem.question + "<|im_end|>\n")
+
+
+def test_training_examples_are_whole_renders_with_the_loss_on_assistant_turns(tokenizer):
+    """What the build fine-tunes on (`conversation_ids_and_loss_mask`): the calculator
+    conversations rendered whole, the loss on each tool call and the final answer, each through
+    its `<|im_end|>`. These are the examples of FORMAT_VERSION 1's builder, token for token."""
+    for problem in generate_problems(50, seed=0):
+        ids, loss_mask = conversation_ids_and_loss_mask(tokenizer, problem.messages, TOOLS)
+        assert ids == tokenizer.apply_chat_template(
+            problem.messages, tools=TOOLS, return_dict=False
+        )
+        calls = [
+            json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+            for expression in problem.expressions
+        ]
+        assert [tokenizer.decode(run) for run in masked_runs(ids, loss_mask)] == [
+            *(f"<tool_call>\n{call}\n</tool_call><|im_end|>" for call in calls),
+            f"#### {problem.answer}<|im_end|>",
+        ]
 
 
 def test_sft_schema_is_the_one_tool_svc_serves():

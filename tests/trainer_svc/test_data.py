@@ -1,7 +1,8 @@
-"""Datasets in verl's format (parquet and JSONL), the generated calculator data, and the
-seeded, resumable order of training batches."""
+"""Datasets in verl's formats (parquet and JSONL; RL prompts and multi-turn SFT conversations),
+the generated calculator data, and the seeded, resumable order of training batches."""
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -9,7 +10,14 @@ import pytest
 from google.protobuf import json_format
 
 from trainer_svc.config import DataConfig
-from trainer_svc.data import PromptSampler, load_datasets, read_records
+from trainer_svc.data import (
+    EpochSampler,
+    load_conversations,
+    load_datasets,
+    read_conversations,
+    read_records,
+)
+from turnrl.calculator_data import TOOLS
 from turnrl.errors import ConfigError
 from turnrl.v1 import common_pb2
 
@@ -43,11 +51,16 @@ VERL_ROWS = [
 ]
 
 
+def parquet_and_jsonl(folder: Path, stem: str, rows: list[dict]) -> tuple[Path, Path]:
+    """`rows` written as <stem>.parquet and as <stem>.jsonl in `folder`."""
+    parquet, jsonl = folder / f"{stem}.parquet", folder / f"{stem}.jsonl"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    jsonl.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return parquet, jsonl
+
+
 def test_parquet_and_jsonl_give_the_same_records(tmp_path):
-    parquet = tmp_path / "train.parquet"
-    pq.write_table(pa.Table.from_pylist(VERL_ROWS), parquet)
-    jsonl = tmp_path / "train.jsonl"
-    jsonl.write_text("".join(json.dumps(row) + "\n" for row in VERL_ROWS))
+    parquet, jsonl = parquet_and_jsonl(tmp_path, "train", VERL_ROWS)
     from_parquet, from_jsonl = read_records(parquet), read_records(jsonl)
     assert from_parquet[1] == from_jsonl[1]
     first = from_parquet[0]
@@ -104,15 +117,129 @@ def test_generated_calculator_data_has_disjoint_splits():
 
 def test_sampler_order_is_seeded_covers_each_epoch_and_resumes():
     train, _ = load_datasets(DataConfig(generated_train_size=10), seed=0)
-    sampler = PromptSampler(train, seed=1, shuffle=True)
+    sampler = EpochSampler(train, seed=1, shuffle=True)
     first_epoch = sampler.next_batch(4) + sampler.next_batch(6)
     assert sorted(r.prompt_id for r in first_epoch) == sorted(r.prompt_id for r in train)
     assert [r.prompt_id for r in first_epoch] != [r.prompt_id for r in train]  # shuffled
     later = sampler.next_batch(7)
 
-    resumed = PromptSampler(train, seed=1, shuffle=True)
+    resumed = EpochSampler(train, seed=1, shuffle=True)
     resumed.position = 10
     assert resumed.next_batch(7) == later
-    assert PromptSampler(train, seed=1, shuffle=False).next_batch(3) == train[:3]
+    assert EpochSampler(train, seed=1, shuffle=False).next_batch(3) == train[:3]
     with pytest.raises(ConfigError, match="empty"):
-        PromptSampler([], seed=0, shuffle=True)
+        EpochSampler([], seed=0, shuffle=True)
+
+
+# verl's multi-turn SFT rows: OpenAI messages, tool-call arguments and tool schemas as JSON text
+# (as OpenAI's API gives arguments, and as parquet keeps heterogeneous structs intact).
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+SFT_ROWS = [
+    {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "a",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "a", "content": "sunny"},
+            {"role": "assistant", "content": "Sunny."},
+        ],
+        "tools": json.dumps([WEATHER_TOOL]),
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+        ],
+        "tools": None,
+    },
+]
+
+
+def test_sft_conversations_from_parquet_and_jsonl_are_what_templates_render(tmp_path):
+    parquet, jsonl = parquet_and_jsonl(tmp_path, "sft", SFT_ROWS)
+    from_parquet, from_jsonl = read_conversations(parquet), read_conversations(jsonl)
+    assert [(c.messages, c.tools) for c in from_parquet] == [
+        (c.messages, c.tools) for c in from_jsonl
+    ]
+    first = from_parquet[0]
+    assert first.conversation_id == "sft-0"
+    assert first.tools == [WEATHER_TOOL]
+    call = {"id": "a", "type": "function"}
+    call["function"] = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    # Null fields (OpenAI's content beside tool calls, parquet's absent keys) are gone.
+    assert first.messages[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
+    assert first.messages[0] == {"role": "user", "content": "Weather in Paris?"}
+    assert from_parquet[1].tools is None
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"messages": []}, r"record bad-0: `messages` must be a non-empty list"),
+        (
+            {"messages": [{"role": "robot", "content": "hi"}]},
+            r"record bad-0, message 0: expected a chat message with a role in",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": "[{"},
+            r"record bad-0: `tools` is not valid JSON",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": {"name": "f"}},
+            r"record bad-0: `tools` must be a list of tool schemas",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]},
+                ]
+            },
+            r"record bad-0, message 1: a tool call needs `function.name`",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"function": {"name": "f", "arguments": "[1, 2]"}}],
+                    },
+                ]
+            },
+            r"record bad-0, message 1: tool call arguments must be an object, got \[1, 2\]",
+        ),
+    ],
+)
+def test_malformed_conversations_are_config_errors_naming_the_record(tmp_path, row, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(ConfigError, match=message):
+        read_conversations(path)
+
+
+def test_generated_conversations_are_the_solved_calculator_problems():
+    config = DataConfig(generated_train_size=20, generated_eval_size=5)
+    train, held_out = load_conversations(config, seed=3)
+    prompts, _ = load_datasets(config, seed=3)
+    assert [c.conversation_id for c in train] == [p.prompt_id for p in prompts]
+    assert [c.messages[:2] for c in train] == [p.messages for p in prompts]
+    assert all(c.messages[-1]["content"].startswith("#### ") for c in train + held_out)
+    assert all(c.tools == TOOLS for c in train + held_out)
+    assert len(held_out) == 5 and held_out[0].conversation_id == "calculator-test-0"

@@ -56,6 +56,14 @@ def test_lr_warms_up_then_follows_a_cosine_to_the_minimum():
         lr_factor(3, TrainSettings(lr_schedule="cosine"))
 
 
+def test_a_cosine_without_total_steps_decays_over_the_run():
+    assert TrainSettings(lr_schedule="cosine").for_run(30).total_steps == 30
+    assert TrainSettings(lr_schedule="cosine", total_steps=9).for_run(30).total_steps == 9
+    assert TrainSettings(lr_schedule="constant").for_run(30).total_steps == 0
+    with pytest.raises(ValueError, match="total_steps > warmup_steps"):
+        TrainSettings(lr_schedule="cosine", warmup_steps=5).for_run(3)
+
+
 def test_logprobs_match_a_full_forward_whatever_the_micro_batches_and_row_order(model_dir):
     batch = fixed_batch()
     lengths = batch.attention_mask.sum(1).tolist()

@@ -148,6 +148,8 @@ def test_client_certificate_needs_key_and_ca(tmp_path):
             ],
             [],
         ),
+        (["trainer.mode=sft"], ["trainer"]),
+        (["trainer.mode=sft", "trainer_service.address=10.0.0.5:1"], []),
     ],
 )
 def test_services_to_start_are_those_the_config_does_not_point_at(overrides, started):

@@ -104,7 +104,9 @@ class Run(_message.Message):
     step: _builtins.int
     """Training steps completed."""
     total_steps: _builtins.int
-    """Steps the run will take in all."""
+    """Steps the run will take in all. An SFT run whose length is set in epochs
+    counts them from its data: 0 until its "setup" stage.
+    """
     output_dir: _builtins.str
     """Directory holding checkpoints, logs, summary.json and curves.png."""
     error_message: _builtins.str

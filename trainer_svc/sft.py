@@ -1,0 +1,176 @@
+"""The SFT loop of one run (`trainer.mode: sft`): supervised fine-tuning on written multi-turn
+conversations, for a warm start before RL. It runs in the trainer service alone: no rollout,
+tool or reward service, no weight push.
+
+    setup     model, tokenizer; the conversations of `trainer.data`, each tokenized once as the
+              trajectory of a policy that wrote its assistant messages (loss mask on those
+              tokens: turnrl.chat_tokens.conversation_ids_and_loss_mask); resume from the last
+              checkpoint
+    step      the next `sft.conversations_per_step` conversations -> one optimizer step on the
+              cross-entropy of their assistant tokens (token mean) -> [held-out loss]
+              -> [checkpoint]
+
+Micro-batching, the LR schedule and gradient clipping are `FsdpPolicy.train_step`'s, as in RL;
+stop and checkpoint requests, the report and the end of the run are `RunLoop`'s.
+"""
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import torch
+from torch import Tensor
+
+from trainer_svc.config import TrainerConfig
+from trainer_svc.controller import FINAL_MODEL, ProgressEvent, RunLoop
+from trainer_svc.data import ConversationRecord, EpochSampler, load_conversations
+from trainer_svc.fsdp import Batch, FsdpPolicy
+from trainer_svc.report import LOSS_PLOT
+from turnrl.chat_tokens import conversation_ids_and_loss_mask
+from turnrl.errors import ConfigError, TurnrlError
+
+Example = tuple[list[int], list[bool]]  # one conversation's token ids and loss mask
+
+
+def sft_loss(
+    micro: Batch, logprobs: Tensor, entropy: Tensor | None
+) -> tuple[Tensor, dict[str, float]]:
+    """Cross-entropy of the loss tokens: this micro-batch's share of the step's mean over all
+    its loss tokens (the `FsdpPolicy.train_step` contract)."""
+    return -torch.where(micro.loss_mask, logprobs, 0.0).sum() / micro.global_token_count, {}
+
+
+def tokenize_conversations(
+    tokenizer: Any, records: list[ConversationRecord], max_length: int
+) -> list[Example]:
+    """Each conversation's ids and loss mask, with the tokenizer's chat template. Raises
+    ConfigError naming a conversation the template cannot split into model turns, or one longer
+    than `max_length` tokens."""
+    examples = []
+    for record in records:
+        try:
+            ids, loss_mask = conversation_ids_and_loss_mask(
+                tokenizer, record.messages, record.tools
+            )
+        # The template's own errors too: it may refuse messages (a role order, a content type).
+        except (TurnrlError, jinja2.TemplateError, TypeError, ValueError, KeyError) as e:
+            raise ConfigError(f"conversation {record.conversation_id}: {e}") from e
+        if len(ids) > max_length:
+            raise ConfigError(
+                f"conversation {record.conversation_id} has {len(ids)} tokens, more than "
+                f"trainer.sft.max_length={max_length}"
+            )
+        examples.append((ids, loss_mask))
+    return examples
+
+
+def examples_batch(examples: list[Example], pad_token_id: int) -> Batch:
+    """The examples as one right-padded batch, the loss on their loss-mask tokens."""
+    return Batch.from_sequences(
+        [ids for ids, _ in examples],
+        [loss_mask for _, loss_mask in examples],
+        pad_token_id=pad_token_id,
+    )
+
+
+class SftController(RunLoop):
+    """Runs one SFT run to its end, or until `request_stop`."""
+
+    def __init__(self, config: TrainerConfig, run_dir: Path, emit: Callable[[ProgressEvent], None]):
+        super().__init__(config, run_dir, emit)
+        if config.sft.epochs is not None:
+            self.total_steps = 0  # counted from the data at setup
+
+    async def run(self, resume: bool) -> dict[str, Any]:
+        started = time.monotonic()
+        config = self.config
+        model_path, tokenizer = await self._model_and_tokenizer()
+        train, held_out = await asyncio.to_thread(load_conversations, config.data, config.seed)
+        max_length = config.sft.max_length
+        self.train_examples = await asyncio.to_thread(
+            tokenize_conversations, tokenizer, train, max_length
+        )
+        self.held_out_examples = await asyncio.to_thread(
+            tokenize_conversations, tokenizer, held_out, max_length
+        )
+        self.sampler = EpochSampler(self.train_examples, config.seed, config.data.shuffle)
+        if config.sft.epochs is not None:
+            per_epoch = len(self.train_examples) / config.sft.conversations_per_step
+            self.total_steps = math.ceil(config.sft.epochs * per_epoch)
+        optim = config.optim.for_run(self.total_steps)
+        self.policy = await asyncio.to_thread(FsdpPolicy, model_path, optim)
+        resumed = resume and await self._restore_checkpoint() is not None
+        self._open_report(resumed, LOSS_PLOT)
+        tokens = sum(len(ids) for ids, _ in self.train_examples)
+        loss_tokens = sum(sum(loss_mask) for _, loss_mask in self.train_examples)
+        message = (
+            f"model {model_path}; {len(self.train_examples)} conversations of {tokens} tokens, "
+            f"{loss_tokens} of them trained on; {len(self.held_out_examples)} held out"
+        )
+        self.emit(ProgressEvent(self.step, "setup", message=message))
+        await self._train_to_end()
+        return await self._finish(model_path, started)
+
+    async def _train_step(self) -> None:
+        self.step += 1
+        examples = self.sampler.next_batch(self.config.sft.conversations_per_step)
+        batch = examples_batch(examples, self.pad_token_id)
+        started = time.monotonic()
+        result = await asyncio.to_thread(self.policy.train_step, batch, sft_loss)
+        seconds = time.monotonic() - started
+        metrics = {
+            "train/loss": result["loss"],
+            "train/grad_norm": result["grad_norm"],
+            "train/lr": result["lr"],
+            "train/loss_tokens": float(batch.loss_mask.sum()),
+            "train/tokens_per_s": float(batch.attention_mask.sum()) / seconds,
+            "train/epoch": self.sampler.position / len(self.train_examples),
+            "time/train": seconds,
+        }
+        self.report.log(self.step, metrics)
+        self.emit(ProgressEvent(self.step, "train", metrics))
+        await self._evaluate_and_checkpoint_when_due()
+
+    async def _evaluate(self) -> None:
+        if not self.held_out_examples:
+            return
+        started = time.monotonic()
+        loss = await asyncio.to_thread(self._held_out_loss)
+        metrics = {
+            "eval/loss": loss,
+            "eval/step": float(self.step),
+            "time/eval": time.monotonic() - started,
+        }
+        self.report.log(self.step, metrics)
+        message = f"held-out loss {loss:.4f} on {len(self.held_out_examples)} conversations"
+        self.emit(ProgressEvent(self.step, "eval", metrics, message))
+
+    def _held_out_loss(self) -> float:
+        """Cross-entropy per loss token over all held-out conversations (worker thread)."""
+        batch = examples_batch(self.held_out_examples, self.pad_token_id)
+        logprobs, _ = self.policy.logprobs(batch)
+        return float(-logprobs[batch.loss_mask].sum() / batch.loss_mask.sum())
+
+    async def _checkpoint(self) -> None:
+        state = await asyncio.to_thread(self.policy.state_dict_for_checkpoint)
+        await self._save_checkpoint({"policy": state, "data_position": self.sampler.position})
+
+    def _summary(self, wall_seconds: float) -> dict[str, Any]:
+        report = self.report
+        return {
+            "run_name": self.run_dir.name,
+            "mode": "sft",
+            "steps": self.step,
+            "stopped_early": self.step < self.total_steps,
+            "epochs": round(self.sampler.position / len(self.train_examples), 3),
+            "initial_eval_loss": report.first("eval/loss"),
+            "final_eval_loss": report.last("eval/loss"),
+            "initial_train_loss": report.first("train/loss"),
+            "final_train_loss": report.last("train/loss"),
+            "wall_seconds": round(wall_seconds, 1),
+            "final_model": str(self.run_dir / FINAL_MODEL),
+        }
