@@ -428,4 +428,3 @@ class Controller(RunLoop):
             "wall_seconds": round(wall_seconds, 1),
             "final_model": str(self.run_dir / FINAL_MODEL),
         }
-
