@@ -58,7 +58,8 @@ from turnrl import rpc
 from turnrl.calculator_data import TOOLS, ProblemSettings, generate_problems
 from turnrl.chat_tokens import ConversationTokens
 from turnrl.config import ClientConfig, ServerConfig
-from turnrl.tiny_model import TinyModelSettings, build_tiny_model
+from turnrl.tiny_model import build_tiny_model
+from turnrl.tiny_model_settings import TinyModelSettings
 from turnrl.trajectory import Trajectory
 from turnrl.v1 import tool_pb2, tool_pb2_grpc
 

@@ -23,7 +23,8 @@ import time
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from trainer_svc.fsdp import Batch, FsdpPolicy, TrainSettings
+from trainer_svc.config import TrainSettings
+from trainer_svc.fsdp import Batch, FsdpPolicy
 
 RESULT_PREFIX = "RESULT "
 MODEL_CONFIG = Qwen3Config(

@@ -3,6 +3,7 @@
 import asyncio
 import json
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -167,3 +168,16 @@ async def test_each_service_package_runs_as_a_module():
         await process.communicate()
     assert line.startswith("serving RolloutService on 127.0.0.1:")
     assert process.returncode == 0
+
+
+def test_the_cli_and_config_load_without_torch():
+    # Thin clients (`turnrl tool list`, `turnrl score`) and config loading stay quick: torch and
+    # transformers load only in the services that use them.
+    code = (
+        "import sys, turnrl.cli, turnrl.project_config; "
+        "print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert loaded.strip() == "[]"

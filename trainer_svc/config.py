@@ -7,8 +7,61 @@ from typing import Literal, Self
 
 from pydantic import Field, model_validator
 
-from trainer_svc.fsdp import TrainSettings
+from turnrl.calculator_data import ProblemSettings
 from turnrl.config import DEFAULT_PORTS, ClientConfig, ServerConfig, StrictModel
+
+
+class TrainSettings(StrictModel):
+    """Optimiser, schedule, precision and memory settings of one trained model: the policy's
+    trainer.optim, or the critic's trainer.critic.optim."""
+
+    learning_rate: float = Field(1e-5, gt=0, description="Peak AdamW learning rate, per step.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay, per step.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW moment decay rates.")
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warm-up to the peak.")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="Learning rate after warm-up: constant, or cosine decay."
+    )
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1, description="Cosine: final learning rate as a fraction of the peak."
+    )
+    total_steps: int = Field(
+        0,
+        ge=0,
+        description="Cosine: optimizer steps until the learning rate reaches its minimum. 0: "
+        "the trainer service sets it from trainer.steps x ppo_epochs x mini_batches.",
+    )
+    grad_clip: float = Field(
+        1.0, gt=0, description="Largest global L2 norm of the gradients; .inf only measures it."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Compute dtype. bfloat16 runs forward and backward in bf16 (FSDP2's "
+        "mixed precision; autocast in a single process) and reduces gradients in fp32; "
+        "weights, logprobs and optimizer state stay fp32 either way.",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each decoder layer in the backward pass to save memory."
+    )
+    micro_batch_tokens: int = Field(
+        4096, gt=0, description="Token budget of one micro-batch: rows x its longest row."
+    )
+
+    def for_run(self, optimizer_steps: int) -> "TrainSettings":
+        """These settings for a run of `optimizer_steps` steps: a cosine schedule whose
+        `total_steps` is 0 decays over them."""
+        if self.lr_schedule != "cosine" or self.total_steps > 0:
+            return self
+        return TrainSettings.model_validate({**self.model_dump(), "total_steps": optimizer_steps})
+
+    @model_validator(mode="after")
+    def _cosine_needs_total_steps(self) -> Self:
+        if self.lr_schedule == "cosine" and 0 < self.total_steps <= self.warmup_steps:
+            raise ValueError(
+                f"cosine schedule needs total_steps > warmup_steps; got total_steps="
+                f"{self.total_steps!r}, warmup_steps={self.warmup_steps!r}"
+            )
+        return self
 
 
 class DataConfig(StrictModel):
@@ -35,10 +88,8 @@ class DataConfig(StrictModel):
     generated_eval_size: int = Field(
         default=64, gt=0, description="Held-out calculator problems when no files are named."
     )
-    generated_problems: dict[str, int] = Field(
-        default_factory=dict,
-        description="Shape of the generated problems: fields of turnrl.calculator_data."
-        "ProblemSettings (min_operations, max_operations, min_number, max_number, max_factor).",
+    generated_problems: ProblemSettings = Field(
+        default_factory=ProblemSettings, description="Shape of the generated problems."
     )
     max_eval_prompts: int | None = Field(
         default=None,

@@ -23,7 +23,6 @@ from trainer_svc.config import DataConfig
 from turnrl.calculator_data import (
     TOOLS,
     CalculatorProblem,
-    ProblemSettings,
     Split,
     generate_problems,
 )
@@ -105,10 +104,7 @@ def _load(
     """Training and held-out records from the configured files, or from generated calculator
     problems (`of_problem` makes a record of a problem and its id)."""
     if not config.train_files:
-        try:
-            settings = ProblemSettings(**config.generated_problems)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"trainer.data.generated_problems: {e}") from None
+        settings = config.generated_problems
 
         def generated(count: int, split: Split) -> list[Record]:
             problems = generate_problems(count, seed=seed, split=split, settings=settings)

@@ -31,12 +31,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from pydantic import Field, model_validator
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -49,7 +48,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from turnrl.config import StrictModel
+from trainer_svc.config import TrainSettings
 
 # Files of a Hugging Face tokenizer folder that `save_pretrained` copies, when present.
 TOKENIZER_FILES = (
@@ -65,59 +64,6 @@ TOKENIZER_FILES = (
 )
 # Full, unsharded tensors on CPU; under FSDP only rank 0 receives them.
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-class TrainSettings(StrictModel):
-    """Optimiser, schedule, precision and memory settings of one trained model: the policy's
-    trainer.optim, or the critic's trainer.critic.optim."""
-
-    learning_rate: float = Field(1e-5, gt=0, description="Peak AdamW learning rate, per step.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay, per step.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW moment decay rates.")
-    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warm-up to the peak.")
-    lr_schedule: Literal["constant", "cosine"] = Field(
-        "constant", description="Learning rate after warm-up: constant, or cosine decay."
-    )
-    min_lr_ratio: float = Field(
-        0.1, ge=0, le=1, description="Cosine: final learning rate as a fraction of the peak."
-    )
-    total_steps: int = Field(
-        0,
-        ge=0,
-        description="Cosine: optimizer steps until the learning rate reaches its minimum. 0: "
-        "the trainer service sets it from trainer.steps x ppo_epochs x mini_batches.",
-    )
-    grad_clip: float = Field(
-        1.0, gt=0, description="Largest global L2 norm of the gradients; .inf only measures it."
-    )
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32",
-        description="Compute dtype. bfloat16 runs forward and backward in bf16 (FSDP2's "
-        "mixed precision; autocast in a single process) and reduces gradients in fp32; "
-        "weights, logprobs and optimizer state stay fp32 either way.",
-    )
-    activation_checkpointing: bool = Field(
-        False, description="Recompute each decoder layer in the backward pass to save memory."
-    )
-    micro_batch_tokens: int = Field(
-        4096, gt=0, description="Token budget of one micro-batch: rows x its longest row."
-    )
-
-    def for_run(self, optimizer_steps: int) -> "TrainSettings":
-        """These settings for a run of `optimizer_steps` steps: a cosine schedule whose
-        `total_steps` is 0 decays over them."""
-        if self.lr_schedule != "cosine" or self.total_steps > 0:
-            return self
-        return TrainSettings.model_validate({**self.model_dump(), "total_steps": optimizer_steps})
-
-    @model_validator(mode="after")
-    def _cosine_needs_total_steps(self) -> Self:
-        if self.lr_schedule == "cosine" and 0 < self.total_steps <= self.warmup_steps:
-            raise ValueError(
-                f"cosine schedule needs total_steps > warmup_steps; got total_steps="
-                f"{self.total_steps!r}, warmup_steps={self.warmup_steps!r}"
-            )
-        return self
 
 
 @dataclass

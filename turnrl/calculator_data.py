@@ -26,7 +26,11 @@ import hashlib
 import random
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Self
+
+from pydantic import Field, model_validator
+
+from turnrl.config import StrictModel
 
 Split = Literal["train", "test"]
 
@@ -80,34 +84,39 @@ _STEP_SENTENCES = {
 _ANSWER_PATTERN = re.compile(r"####\s*(-?\d[\d,]*)")
 
 
-@dataclass(frozen=True)
-class ProblemSettings:
+class ProblemSettings(StrictModel):
     """The shape of generated problems."""
 
-    min_operations: int = 1
-    max_operations: int = 3
-    min_number: int = 1
-    """Smallest starting count and smallest amount added or taken away."""
-    max_number: int = 99
-    """Largest starting count and largest amount added or taken away."""
-    max_factor: int = 9
-    """Largest multiplier and divisor (the smallest is 2)."""
-    one_call_per_operation: bool = False
-    """Each operation its own calculator call; else at most two calls (see the module doc)."""
+    min_operations: int = Field(default=1, ge=1, description="Fewest operations of a problem.")
+    max_operations: int = Field(default=3, ge=1, description="Most operations of a problem.")
+    min_number: int = Field(
+        default=1, ge=0, description="Smallest starting count and amount added or taken away."
+    )
+    max_number: int = Field(
+        default=99, ge=0, description="Largest starting count and amount added or taken away."
+    )
+    max_factor: int = Field(
+        default=9, ge=2, description="Largest multiplier and divisor (the smallest is 2)."
+    )
+    one_call_per_operation: bool = Field(
+        default=False,
+        description="Each operation its own calculator call; else at most two calls (see the "
+        "module doc).",
+    )
 
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_operations <= self.max_operations:
+    @model_validator(mode="after")
+    def _ranges_are_ordered(self) -> Self:
+        if self.min_operations > self.max_operations:
             raise ValueError(
                 f"operations range [{self.min_operations}, {self.max_operations}] is invalid; "
-                "need 1 <= min_operations <= max_operations"
+                "need min_operations <= max_operations"
             )
-        if not 0 <= self.min_number <= self.max_number:
+        if self.min_number > self.max_number:
             raise ValueError(
                 f"number range [{self.min_number}, {self.max_number}] is invalid; "
-                "need 0 <= min_number <= max_number"
+                "need min_number <= max_number"
             )
-        if self.max_factor < 2:
-            raise ValueError(f"max_factor {self.max_factor} is invalid; need at least 2")
+        return self
 
 
 @dataclass
@@ -126,6 +135,12 @@ class CalculatorProblem:
     def prompt_messages(self) -> list[dict[str, Any]]:
         """The conversation before the model's first turn: system and user."""
         return self.messages[:2]
+
+    @property
+    def direct_answer_messages(self) -> list[dict[str, Any]]:
+        """system, user, then the answer at once, without the tool: a conversation that
+        teaches a model to guess, which RL can then teach it out of."""
+        return [*self.prompt_messages, {"role": "assistant", "content": f"#### {self.answer}"}]
 
 
 def generate_problems(

@@ -22,7 +22,6 @@ from pathlib import Path
 from turnrl import __version__, client_commands, launcher
 from turnrl.config import DEFAULT_PORTS
 from turnrl.errors import ConfigError
-from turnrl.project_config import load_project_config
 
 # The module whose `serve(config)` runs each service, given its section of the config. Imported
 # only by `turnrl serve`: the rollout and trainer servers load torch, which would add seconds to
@@ -150,7 +149,7 @@ def _serve(args: argparse.Namespace) -> int:
         overrides.append(f"{args.service}.server.host={args.host}")
     if args.port is not None:
         overrides.append(f"{args.service}.server.port={args.port}")
-    project = load_project_config(args.config, overrides)
+    project, _ = asyncio.run(launcher.load_with_tiny_model(args.config, overrides, [args.service]))
     try:
         server = importlib.import_module(SERVER_MODULES[args.service])
         asyncio.run(server.serve(getattr(project, args.service)))

@@ -82,7 +82,7 @@ class ServiceProcess:
 
 async def up(config_path: Path | None, overrides: Sequence[str], check: bool) -> int:
     """`turnrl up`: start the services, print their addresses, supervise until Ctrl-C or a death."""
-    project = load_project_config(config_path, overrides)
+    project, overrides = await load_with_tiny_model(config_path, overrides)
     console = Console()
     stop_requested = _stop_on_signals()
     try:
@@ -104,7 +104,7 @@ async def run(config_path: Path, overrides: Sequence[str], resume: bool) -> int:
     """`turnrl run`: start the services the config does not point at, submit the run
     (StartRun), follow it (StreamProgress) to its end; Ctrl-C stops it after the current step
     (StopRun, with a checkpoint)."""
-    project = load_project_config(config_path, overrides)
+    project, overrides = await load_with_tiny_model(config_path, overrides)
     console = Console(stderr=True)
     stop_requested = _stop_on_signals()
     try:
@@ -132,6 +132,30 @@ async def run(config_path: Path, overrides: Sequence[str], resume: bool) -> int:
     except StartupInterruptedError:
         console.print("interrupted during start-up; stopped all services")
         return 0
+
+
+async def load_with_tiny_model(
+    config_path: Path | None, overrides: Sequence[str], services: Sequence[str] | None = None
+) -> tuple[ProjectConfig, list[str]]:
+    """The config, and the overrides, with `model_path` set for each of `services` (default:
+    those to start) that leaves it null: the tiny model of the config's `tiny_model`, built
+    here on first use (minutes; cached), so that a service loads it at once instead of racing
+    to build it within its start-up timeout."""
+    project = load_project_config(config_path, overrides)
+    services = project.services_to_start() if services is None else services
+    needing = [
+        name
+        for name in ("rollout", "trainer")
+        if name in services and getattr(project, name).model_path is None
+    ]
+    if not needing:
+        return project, list(overrides)
+    # Imported here: torch would slow every thin client.
+    from turnrl.tiny_model import build_tiny_model
+
+    folder = await asyncio.to_thread(build_tiny_model, settings=project.tiny_model)
+    overrides = [*overrides, *(f"{name}.model_path={folder}" for name in needing)]
+    return load_project_config(config_path, overrides), overrides
 
 
 def _run_config_yaml(project: ProjectConfig, services: dict[str, "ServiceProcess"]) -> str:
@@ -249,14 +273,6 @@ async def local_services(
         "trainer": project.trainer.server,
     }
     to_start = project.services_to_start()
-    if ("rollout" in to_start and project.rollout.model_path is None) or (
-        "trainer" in to_start and project.trainer.model_path is None
-    ):
-        # Built here, once, so the services load it from the cache instead of racing to build
-        # it within their start-up timeout. Imported here: torch would slow every thin client.
-        from turnrl.tiny_model import build_tiny_model
-
-        await asyncio.to_thread(build_tiny_model)
     services: list[ServiceProcess] = []
     try:
         # Tool and reward first: the rollout service is told where they listen, which for a

@@ -15,6 +15,7 @@ from tool_svc.config import ToolConfig
 from trainer_svc.config import TrainerConfig
 from turnrl.config import ClientConfig, StrictModel, load_config_data, validate_config
 from turnrl.errors import ConfigError
+from turnrl.tiny_model_settings import TinyModelSettings
 
 # Start order; stop order is the reverse (the trainer calls the rollout service, which calls
 # the tool and reward services, so callers go first and never see their callees vanish).
@@ -31,6 +32,11 @@ class ProjectConfig(StrictModel):
     )
     trainer: TrainerConfig = Field(
         default_factory=TrainerConfig, description="The trainer service."
+    )
+    tiny_model: TinyModelSettings = Field(
+        default_factory=TinyModelSettings,
+        description="The tiny calculator model that `turnrl serve`, `up` and `run` build (once, "
+        "cached) for a rollout.model_path or trainer.model_path left null.",
     )
     trainer_service: ClientConfig | None = Field(
         default=None,

@@ -25,7 +25,6 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +33,10 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from turnrl.calculator_data import TOOLS, ProblemSettings, generate_problems
+from turnrl.calculator_data import TOOLS, generate_problems
 from turnrl.chat_tokens import conversation_ids_and_loss_mask
 from turnrl.config import cache_dir, fixtures_dir
+from turnrl.tiny_model_settings import TinyModelSettings
 
 logger = logging.getLogger(__name__)
 
@@ -57,32 +57,6 @@ PRE_TOKENIZE_PATTERN = (
 )
 
 
-@dataclass(frozen=True)
-class TinyModelSettings:
-    """Everything that decides the built model; its hash names the cache folder."""
-
-    vocab_size: int = 1024
-    """Upper bound of the BPE vocabulary, chat tokens included; the default corpus runs out of
-    merges at about 670."""
-    hidden_size: int = 128
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    intermediate_size: int = 256
-    max_position_embeddings: int = 2048
-    """Longest sequence the model is configured for, in tokens."""
-    train_problems: int = 4000
-    """Conversations fine-tuned on (they also train the tokenizer)."""
-    problems: ProblemSettings = field(default_factory=ProblemSettings)
-    """The shape of those conversations' problems."""
-    train_steps: int = 2000
-    batch_size: int = 16
-    """Conversations per optimizer step."""
-    learning_rate: float = 1e-2
-    """Peak AdamW learning rate, reached after `warmup_steps`, then cosine decay to a tenth."""
-    warmup_steps: int = 20
-
-
 def build_tiny_model(
     models_dir: Path | None = None, seed: int = 0, settings: TinyModelSettings | None = None
 ) -> Path:
@@ -97,10 +71,7 @@ def build_tiny_model(
     settings = settings or TinyModelSettings()
     models_dir = models_dir or cache_dir() / "tiny_models"
     chat_template = (fixtures_dir() / CHAT_TEMPLATE_FILE).read_text()
-    problems = generate_problems(
-        settings.train_problems, seed=seed, split="train", settings=settings.problems
-    )
-    conversations = [problem.messages for problem in problems]
+    conversations = training_conversations(settings, seed)
     key = _cache_key(settings, seed, chat_template, conversations)
     target = models_dir / f"qwen3-calculator-{key}"
     if target.is_dir():
@@ -122,6 +93,21 @@ def build_tiny_model(
     return target
 
 
+def training_conversations(settings: TinyModelSettings, seed: int) -> list[list[dict[str, Any]]]:
+    """The SFT conversations: solved training problems, `direct_answer_share` of them
+    answering at once without the tool (which ones is drawn from the seed)."""
+    problems = generate_problems(
+        settings.train_problems, seed=seed, split="train", settings=settings.problems
+    )
+    direct = random.Random(f"direct:{seed}")
+    return [
+        problem.direct_answer_messages
+        if direct.random() < settings.direct_answer_share
+        else problem.messages
+        for problem in problems
+    ]
+
+
 def _cache_key(
     settings: TinyModelSettings,
     seed: int,
@@ -133,7 +119,7 @@ def _cache_key(
         {
             "format_version": FORMAT_VERSION,
             "seed": seed,
-            "settings": asdict(settings),
+            "settings": settings.model_dump(mode="json"),
             "chat_template_sha256": _sha256(chat_template),
             "conversations_sha256": _sha256(json.dumps(conversations, sort_keys=True)),
         },

@@ -15,12 +15,15 @@ from tool_svc.tools.calculator import CalculatorOptions, CalculatorTool, format_
 from turnrl.calculator_data import (
     CALCULATOR_TOOL,
     TOOLS,
+    ProblemSettings,
     final_answer,
     generate_problems,
     split_of,
 )
 from turnrl.chat_tokens import conversation_ids_and_loss_mask
-from turnrl.tiny_model import SPECIAL_TOKENS, TOOL_TOKENS, build_tiny_model
+from turnrl.launcher import load_with_tiny_model
+from turnrl.tiny_model import SPECIAL_TOKENS, TOOL_TOKENS, build_tiny_model, training_conversations
+from turnrl.tiny_model_settings import TinyModelSettings
 
 from ..turnrl.test_conversation_loss_mask import masked_runs
 
@@ -254,3 +257,32 @@ def test_conversations_are_solved_exactly():
 )
 def test_final_answer(text, expected):
     assert final_answer(text) == expected
+
+
+def test_a_share_of_conversations_answers_without_the_tool():
+    settings = TinyModelSettings(train_problems=400, direct_answer_share=0.25)
+    conversations = training_conversations(settings, seed=0)
+    direct = [c for c in conversations if len(c) == 3]
+    assert 60 <= len(direct) <= 140  # about a quarter
+    for conversation in direct:
+        assert conversation[-1]["role"] == "assistant" and "tool_calls" not in conversation[-1]
+        assert final_answer(conversation[-1]["content"]) is not None
+    assert all(any("tool_calls" in m for m in c) for c in conversations if len(c) > 3)
+    assert training_conversations(settings, seed=0) == conversations
+
+
+def test_one_call_per_operation_chains_each_result_into_the_next_call():
+    settings = ProblemSettings(min_operations=4, max_operations=4, one_call_per_operation=True)
+    for problem in generate_problems(20, settings=settings):
+        assert len(problem.expressions) == 4
+        results = [m["content"] for m in problem.messages if m["role"] == "tool"]
+        for result, next_expression in zip(results, problem.expressions[1:], strict=False):
+            assert next_expression.startswith(f"{result} ")
+        assert results[-1] == str(problem.answer)
+
+
+async def test_a_null_model_path_becomes_the_configs_tiny_model(tiny_model_dir):
+    project, overrides = await load_with_tiny_model(None, [], ["rollout"])
+    assert project.rollout.model_path == str(tiny_model_dir)
+    assert project.trainer.model_path is None  # not asked for
+    assert overrides == [f"rollout.model_path={tiny_model_dir}"]

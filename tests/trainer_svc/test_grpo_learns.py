@@ -5,8 +5,8 @@ token. Rollouts are sampled from the policy's own model, as the engine would."""
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from trainer_svc.config import AlgorithmConfig
-from trainer_svc.fsdp import FsdpPolicy, TrainSettings
+from trainer_svc.config import AlgorithmConfig, TrainSettings
+from trainer_svc.fsdp import FsdpPolicy
 from trainer_svc.rl_step import make_loss_fn, prepare_update, rollout_batch
 from turnrl.v1 import common_pb2
 

@@ -12,9 +12,9 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainer_svc.config import TrainerConfig
+from trainer_svc.config import TrainerConfig, TrainSettings
 from trainer_svc.data import ConversationRecord
-from trainer_svc.fsdp import FsdpPolicy, TrainSettings
+from trainer_svc.fsdp import FsdpPolicy
 from trainer_svc.server import TrainerServicer
 from trainer_svc.service import TrainerService
 from trainer_svc.sft import SftController, examples_batch, sft_loss, tokenize_conversations
