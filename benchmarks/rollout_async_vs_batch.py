@@ -3,9 +3,10 @@
 Both rollouts run the same calculator word problems through a RolloutService on the same hf
 engine (greedy, so both produce the same tokens), calling the real tool service on loopback.
 The problems take five or six operations, and the engine runs a tiny calculator model trained
-to make one call per operation (built on first use, about 3 minutes, then cached), so a
-trajectory has five or six tool rounds, as an agent's often do. Its calculator first waits a heavy-tailed time: lognormal, median
-50 ms, p99 1 s, the same wait for the same (prompt, call) in both modes.
+to make one call per operation (built on first use, about 4 minutes, then cached), so a
+trajectory has five or six tool rounds, as an agent's often do. The calculator first waits a
+heavy-tailed time: lognormal, median 50 ms, p99 1 s, the same wait for the same (prompt, call)
+in both modes.
 
 (a) batch level, what verl's original rollout did: every trajectory generates its turn, then
     all the batch's tool calls run, then the next turn. It is the same RolloutService with a
@@ -22,7 +23,7 @@ wait, over the largest sum of one trajectory's waits. Then the hf engine's token
 compared with `model.generate` on one batch of prompts, every row decoding `--decode-tokens`
 tokens (EOS is switched off for both).
 
-    .venv/bin/python benchmarks/rollout_async_vs_batch.py [--prompts 64] [--draws 5]  # about 1 min
+    .venv/bin/python benchmarks/rollout_async_vs_batch.py [--prompts 64] [--draws 5]  # ~1.5 min
 
 The last line printed is one JSON object with the headline figures.
 """

@@ -46,6 +46,13 @@ def tiny_model_dir() -> Path:
     return build_tiny_model()
 
 
+@pytest.fixture(scope="session")
+def example_on_tiny_model(tiny_model_dir) -> list[str]:
+    """Overrides that run the example config on the tests' tiny model instead of the demo's
+    own (a bigger build, minutes more on two cores)."""
+    return [f"rollout.model_path={tiny_model_dir}", f"trainer.model_path={tiny_model_dir}"]
+
+
 @contextlib.asynccontextmanager
 async def serve_in_process(
     config: ServerConfig,

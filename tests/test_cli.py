@@ -145,11 +145,11 @@ async def test_unknown_arguments_are_refused():
     assert "unrecognized arguments: tool.server.port=1" in stderr
 
 
-async def test_run_reports_a_refused_run_and_stops_the_services(tmp_path):
+async def test_run_reports_a_refused_run_and_stops_the_services(tmp_path, example_on_tiny_model):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "metrics.jsonl").write_text("")
     code, _, stderr = await run_turnrl(
-        "run", "--config", str(EXAMPLE_CONFIG), *FREE_PORTS,
+        "run", "--config", str(EXAMPLE_CONFIG), *FREE_PORTS, *example_on_tiny_model,
         f"trainer.output_dir={tmp_path}", "trainer.run_name=taken",
     )  # fmt: skip
     assert code == 1

@@ -31,9 +31,9 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-async def test_up_check_starts_checks_and_stops_all_four():
+async def test_up_check_starts_checks_and_stops_all_four(example_on_tiny_model):
     code, stdout, stderr = await run_turnrl(
-        "up", "--config", str(EXAMPLE_CONFIG), "--check", *FREE_PORTS
+        "up", "--config", str(EXAMPLE_CONFIG), "--check", *FREE_PORTS, *example_on_tiny_model
     )
     assert code == 0, stderr
     rows = {name: (address, int(pid)) for name, address, pid in UP_TABLE_ROW.findall(stdout)}

@@ -137,10 +137,11 @@ class CalculatorProblem:
         return self.messages[:2]
 
     @property
-    def direct_answer_messages(self) -> list[dict[str, Any]]:
-        """system, user, then the answer at once, without the tool: a conversation that
-        teaches a model to guess, which RL can then teach it out of."""
-        return [*self.prompt_messages, {"role": "assistant", "content": f"#### {self.answer}"}]
+    def guess_messages(self) -> list[dict[str, Any]]:
+        """system, user, then a wrong answer at once, without the tool: the problem's starting
+        count, the number a model that cannot compute copies from the question."""
+        starting_count = self.expressions[0].lstrip("(").split(" ", 1)[0]
+        return [*self.prompt_messages, {"role": "assistant", "content": f"#### {starting_count}"}]
 
 
 def generate_problems(

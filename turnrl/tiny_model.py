@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 # Bump when the build's code changes: settings, seed, template and training data are in the
 # cache key already. Folders of other versions are ignored.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 CHAT_TEMPLATE_FILE = "chat_templates/qwen2.5-instruct.jinja"
 # Qwen2.5's chat tokens: the special ones, then the tool-call markers it has as plain added tokens.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -94,16 +94,14 @@ def build_tiny_model(
 
 
 def training_conversations(settings: TinyModelSettings, seed: int) -> list[list[dict[str, Any]]]:
-    """The SFT conversations: solved training problems, `direct_answer_share` of them
-    answering at once without the tool (which ones is drawn from the seed)."""
+    """The SFT conversations: solved training problems, `guess_share` of them guessing at once
+    without the tool (which ones is drawn from the seed)."""
     problems = generate_problems(
         settings.train_problems, seed=seed, split="train", settings=settings.problems
     )
-    direct = random.Random(f"direct:{seed}")
+    guesses = random.Random(f"guesses:{seed}")
     return [
-        problem.direct_answer_messages
-        if direct.random() < settings.direct_answer_share
-        else problem.messages
+        problem.guess_messages if guesses.random() < settings.guess_share else problem.messages
         for problem in problems
     ]
 
@@ -236,7 +234,10 @@ def _finetune(
     settings: TinyModelSettings,
     seed: int,
 ) -> None:
-    """AdamW on the assistant tokens, batches of similar length, warmup then cosine decay.
+    """AdamW on the assistant tokens, batches drawn at random each epoch, warmup then cosine
+    decay. (Batches of similar length pad less, but a model trained on them copied numbers from
+    the question into its calls far less reliably: a 4-layer build solved 72% of held-out
+    one-operation problems, against 99% with random batches.)
 
     Every conversation opens with the same system turn (the tool schema makes it most of the
     tokens), so each step runs that shared prefix once and the batch continues from its
@@ -250,11 +251,6 @@ def _finetune(
     # that the suffixes alone hold every target.
     assert not any(any(mask[: prefix_length + 1]) for _, mask in examples), "prefix is scored"
     rng = random.Random(seed)
-    by_length = sorted(range(len(suffixes)), key=lambda index: len(suffixes[index][0]))
-    batches = [
-        by_length[start : start + settings.batch_size]
-        for start in range(0, len(by_length), settings.batch_size)
-    ]
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=settings.learning_rate, betas=(0.9, 0.95), weight_decay=0.0
     )
@@ -266,7 +262,9 @@ def _finetune(
     order: list[list[int]] = []
     for step in range(settings.train_steps):
         if not order:
-            order = rng.sample(batches, len(batches))
+            shuffled = rng.sample(range(len(suffixes)), len(suffixes))
+            size = settings.batch_size
+            order = [shuffled[start : start + size] for start in range(0, len(shuffled), size)]
         input_ids, attention_mask, loss_mask = _pad(
             [suffixes[i] for i in order.pop()], pad_token_id
         )

@@ -32,13 +32,13 @@ class TinyModelSettings(StrictModel):
     problems: ProblemSettings = Field(
         default_factory=ProblemSettings, description="The shape of those conversations' problems."
     )
-    direct_answer_share: float = Field(
+    guess_share: float = Field(
         default=0.0,
         ge=0.0,
         le=1.0,
-        description="Share of the conversations that answer at once, without the tool (a guess "
-        "the model cannot compute), so that the model starts out using the tool only some of "
-        "the time.",
+        description="Share of the conversations that answer at once, without the tool, with the "
+        "problem's starting count (wrong unless the operations cancel out): a warm start that uses the tool only some of "
+        "the time, for RL to teach it to use the tool every time.",
     )
     train_steps: int = Field(default=2000, gt=0, description="Optimizer steps of the SFT.")
     batch_size: int = Field(default=16, gt=0, description="Conversations per optimizer step.")

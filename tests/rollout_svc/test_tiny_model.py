@@ -259,15 +259,18 @@ def test_final_answer(text, expected):
     assert final_answer(text) == expected
 
 
-def test_a_share_of_conversations_answers_without_the_tool():
-    settings = TinyModelSettings(train_problems=400, direct_answer_share=0.25)
+def test_a_share_of_conversations_guesses_without_the_tool():
+    one_operation = ProblemSettings(max_operations=1)  # the guess is then always wrong
+    settings = TinyModelSettings(train_problems=400, guess_share=0.25, problems=one_operation)
     conversations = training_conversations(settings, seed=0)
-    direct = [c for c in conversations if len(c) == 3]
-    assert 60 <= len(direct) <= 140  # about a quarter
-    for conversation in direct:
-        assert conversation[-1]["role"] == "assistant" and "tool_calls" not in conversation[-1]
-        assert final_answer(conversation[-1]["content"]) is not None
-    assert all(any("tool_calls" in m for m in c) for c in conversations if len(c) > 3)
+    problems = generate_problems(400, seed=0, settings=settings.problems)
+    guesses = [(c, p) for c, p in zip(conversations, problems, strict=True) if len(c) == 3]
+    assert 60 <= len(guesses) <= 140  # about a quarter
+    for conversation, problem in guesses:
+        guess = final_answer(conversation[-1]["content"])
+        assert guess == problem.expressions[0].split(" ")[0] != str(problem.answer)
+        assert problem.question.startswith(f"{problem.question.split()[0]} has {guess} ")
+    assert all(c == p.messages for c, p in zip(conversations, problems, strict=True) if len(c) > 3)
     assert training_conversations(settings, seed=0) == conversations
 
 

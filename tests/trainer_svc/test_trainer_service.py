@@ -44,11 +44,12 @@ SMALL_RUN = {
 
 
 @pytest.fixture(scope="module")
-def services(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
+def services(example_on_tiny_model, tmp_path_factory) -> dict[str, str]:
     """`turnrl up` with the example config on free ports; yields each service's address."""
     log = (tmp_path_factory.mktemp("up") / "up.log").open("w")
+    up = ["up", "--config", str(EXAMPLE_CONFIG), *FREE_PORTS, *example_on_tiny_model]
     process = subprocess.Popen(
-        [sys.executable, "-m", "turnrl", "up", "--config", str(EXAMPLE_CONFIG), *FREE_PORTS],
+        [sys.executable, "-m", "turnrl", *up],
         stdout=subprocess.PIPE,
         stderr=log,  # a file, so the services' logs never fill a pipe nobody reads
         text=True,
@@ -236,9 +237,12 @@ def step_record(run_dir: Path, step: int) -> dict:
     return [r for r in map(json.loads, lines) if r["step"] == step and "train/loss" in r][-1]
 
 
-async def test_turnrl_run_killed_and_resumed_reproduces_the_next_step(tiny_model_dir, tmp_path):
+async def test_turnrl_run_killed_and_resumed_reproduces_the_next_step(
+    example_on_tiny_model, tmp_path
+):
     overrides = [
         *FREE_PORTS,
+        *example_on_tiny_model,
         f"trainer.output_dir={tmp_path}",
         "trainer.steps=3",
         "trainer.eval_every=0",
