@@ -107,8 +107,10 @@ async def run_turnrl(*args: str, env: dict[str, str] | None = None, timeout_seco
 async def serve_subprocess(
     service: str, *overrides: str, env: dict[str, str] | None = None
 ) -> AsyncIterator[ServedProcess]:
-    """Starts `turnrl serve SERVICE --port 0` and yields it once it printed its address."""
+    """Starts `turnrl serve SERVICE --port 0` and yields it once it printed its address. Its
+    output is read (and dropped) while it serves: a child that fills an unread pipe blocks."""
     process = await spawn_turnrl("serve", service, "--port", "0", *overrides, env=env)
+    drained = None
     try:
         metrics_url = None
         async with asyncio.timeout(STARTUP_TIMEOUT_SECONDS):
@@ -117,10 +119,12 @@ async def serve_subprocess(
         if not line.startswith("serving "):
             _, stderr = await process.communicate()
             raise AssertionError(f"turnrl serve {service} did not start:\n{stderr.decode()}")
+        drained = asyncio.gather(process.stdout.read(), process.stderr.read())
         address = line.strip().rsplit(" ", 1)[-1]
         yield ServedProcess(process=process, address=address, metrics_url=metrics_url)
     finally:
         if process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 process.send_signal(signal.SIGKILL)
-        await process.communicate()
+        await (drained if drained is not None else process.communicate())
+        await process.wait()

@@ -47,7 +47,7 @@ def load(model_dir, noise_seed: int | None = None):
         generator = torch.Generator().manual_seed(noise_seed)
         with torch.no_grad():
             for parameter in model.parameters():
-                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.01)
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.1)
     return model
 
 
@@ -64,7 +64,7 @@ async def sample(stub) -> list[common_pb2.Trajectory]:
 
 
 def assert_sampled_by(trajectories, model, other_model, policy_version: int) -> None:
-    """The engine's logprobs are `model`'s (fp32, 1e-4), and `other_model`'s are 100 times
+    """The engine's logprobs are `model`'s (fp32, 1e-4), and `other_model`'s are 10 times
     further off."""
     engine, expected, other = [], [], []
     for trajectory in trajectories:
@@ -78,7 +78,7 @@ def assert_sampled_by(trajectories, model, other_model, policy_version: int) -> 
     engine, expected, other = map(torch.tensor, (engine, expected, other))
     assert len(engine) >= 8, [t.segments for t in trajectories]
     assert torch.allclose(engine, expected, atol=1e-4)
-    assert (engine - other).abs().max() > 1e-2
+    assert (engine - other).abs().max() > 1e-3
 
 
 async def assert_resumed(stubs) -> None:
