@@ -149,7 +149,7 @@ def _serve(args: argparse.Namespace) -> int:
         overrides.append(f"{args.service}.server.host={args.host}")
     if args.port is not None:
         overrides.append(f"{args.service}.server.port={args.port}")
-    project, _ = asyncio.run(launcher.load_with_tiny_model(args.config, overrides, [args.service]))
+    project, _ = launcher.load_with_tiny_model(args.config, overrides, [args.service])
     try:
         server = importlib.import_module(SERVER_MODULES[args.service])
         asyncio.run(server.serve(getattr(project, args.service)))

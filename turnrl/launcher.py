@@ -82,7 +82,7 @@ class ServiceProcess:
 
 async def up(config_path: Path | None, overrides: Sequence[str], check: bool) -> int:
     """`turnrl up`: start the services, print their addresses, supervise until Ctrl-C or a death."""
-    project, overrides = await load_with_tiny_model(config_path, overrides)
+    project, overrides = await asyncio.to_thread(load_with_tiny_model, config_path, overrides)
     console = Console()
     stop_requested = _stop_on_signals()
     try:
@@ -104,7 +104,7 @@ async def run(config_path: Path, overrides: Sequence[str], resume: bool) -> int:
     """`turnrl run`: start the services the config does not point at, submit the run
     (StartRun), follow it (StreamProgress) to its end; Ctrl-C stops it after the current step
     (StopRun, with a checkpoint)."""
-    project, overrides = await load_with_tiny_model(config_path, overrides)
+    project, overrides = await asyncio.to_thread(load_with_tiny_model, config_path, overrides)
     console = Console(stderr=True)
     stop_requested = _stop_on_signals()
     try:
@@ -134,13 +134,13 @@ async def run(config_path: Path, overrides: Sequence[str], resume: bool) -> int:
         return 0
 
 
-async def load_with_tiny_model(
+def load_with_tiny_model(
     config_path: Path | None, overrides: Sequence[str], services: Sequence[str] | None = None
 ) -> tuple[ProjectConfig, list[str]]:
     """The config, and the overrides, with `model_path` set for each of `services` (default:
     those to start) that leaves it null: the tiny model of the config's `tiny_model`, built
     here on first use (minutes; cached), so that a service loads it at once instead of racing
-    to build it within its start-up timeout."""
+    to build it within its start-up timeout. Blocks while it builds."""
     project = load_project_config(config_path, overrides)
     services = project.services_to_start() if services is None else services
     needing = [
@@ -153,7 +153,7 @@ async def load_with_tiny_model(
     # Imported here: torch would slow every thin client.
     from turnrl.tiny_model import build_tiny_model
 
-    folder = await asyncio.to_thread(build_tiny_model, settings=project.tiny_model)
+    folder = build_tiny_model(settings=project.tiny_model)
     overrides = [*overrides, *(f"{name}.model_path={folder}" for name in needing)]
     return load_project_config(config_path, overrides), overrides
 

@@ -284,8 +284,8 @@ def test_one_call_per_operation_chains_each_result_into_the_next_call():
         assert results[-1] == str(problem.answer)
 
 
-async def test_a_null_model_path_becomes_the_configs_tiny_model(tiny_model_dir):
-    project, overrides = await load_with_tiny_model(None, [], ["rollout"])
+def test_a_null_model_path_becomes_the_configs_tiny_model(tiny_model_dir):
+    project, overrides = load_with_tiny_model(None, [], ["rollout"])
     assert project.rollout.model_path == str(tiny_model_dir)
     assert project.trainer.model_path is None  # not asked for
     assert overrides == [f"rollout.model_path={tiny_model_dir}"]
