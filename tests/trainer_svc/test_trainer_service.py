@@ -26,6 +26,7 @@ from ..conftest import (
     FREE_PORTS,
     SERVICE_NAMES,
     UP_TABLE_ROW,
+    run_turnrl,
     serve_subprocess,
     spawn_turnrl,
 )
@@ -188,6 +189,24 @@ async def test_stop_and_save_checkpoint_during_a_run(services, tmp_path):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(run_name="long"))
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_turnrl_run_submits_to_services_already_running(services, tmp_path):
+    # Every service is pointed at, so `turnrl run` starts none and submits to the trainer.
+    code, _, stderr = await run_turnrl(
+        "run", "--config", str(EXAMPLE_CONFIG),
+        f"trainer_service.address={services['trainer']}",
+        f"trainer.rollout_service.address={services['rollout']}",
+        f"trainer.tool_service.address={services['tool']}",
+        f"trainer.output_dir={tmp_path}", "trainer.run_name=elsewhere", "trainer.steps=1",
+        "trainer.eval_every=0", "trainer.rollout.prompts_per_step=2",
+        "trainer.rollout.samples_per_prompt=2", "trainer.data.generated_eval_size=4",
+        timeout_seconds=300,
+    )  # fmt: skip
+    assert code == 0, stderr[-3000:]
+    assert not any(f"[{name}]" in stderr for name in SERVICE_NAMES)  # no child of its own
+    assert "run summary" in stderr
+    assert json.loads((tmp_path / "elsewhere" / "summary.json").read_text())["steps"] == 1
 
 
 @pytest.mark.parametrize(
