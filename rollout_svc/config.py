@@ -35,8 +35,8 @@ class RolloutConfig(StrictModel):
     model_path: str | None = Field(
         default=None,
         description="The policy model: a Hugging Face folder (weights, config, tokenizer). None: "
-        "the tiny calculator model of turnrl.tiny_model, built on first use (about two minutes "
-        "on two cores) and cached.",
+        "the tiny calculator model of the config's `tiny_model` section, which `turnrl serve`, "
+        "`up` and `run` build on first use (minutes on two cores) and cache.",
     )
     engine_options: dict[str, Any] = Field(
         default_factory=dict,

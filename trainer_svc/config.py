@@ -289,7 +289,8 @@ class TrainerConfig(StrictModel):
     model_path: str | None = Field(
         default=None,
         description="The initial policy, a Hugging Face folder; None: the tiny calculator model "
-        "(turnrl.tiny_model). Must be the model the rollout service serves.",
+        "(the config's `tiny_model`, built by `turnrl serve`, `up` and `run`). Must be the "
+        "model the rollout service serves.",
     )
     steps: int = Field(
         default=20, gt=0, description="Training steps of the run (SFT: unless sft.epochs is set)."

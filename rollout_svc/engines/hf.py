@@ -436,7 +436,10 @@ class HfEngine:
         for, or whose parameter has another shape."""
         self._check_shapes((meta.name, meta.shape) for meta in metas)
 
-    def _check_shapes(self, shapes: Iterable[tuple[str, tuple[int, ...]]]) -> None:
+    def _check_shapes(
+        self, shapes: Iterable[tuple[str, tuple[int, ...]]]
+    ) -> dict[str, torch.nn.Parameter]:
+        """The model's parameters by name, once every (name, shape) is checked against them."""
         parameters = dict(self._model.named_parameters(remove_duplicate=False))
         for name, shape in shapes:
             if name not in parameters:
@@ -448,6 +451,7 @@ class HfEngine:
                     f"parameter {name!r} has shape {tuple(parameters[name].shape)}, "
                     f"got {tuple(shape)}"
                 )
+        return parameters
 
     def stats(self) -> dict[str, float]:
         """running, waiting, paused (0/1), policy_version, cached_sessions, session_kv_bytes,
@@ -747,8 +751,7 @@ class HfEngine:
     def _load_weights(
         self, named_tensors: list[tuple[str, torch.Tensor]], policy_version: int
     ) -> None:
-        self._check_shapes((name, tuple(tensor.shape)) for name, tensor in named_tensors)
-        parameters = dict(self._model.named_parameters(remove_duplicate=False))
+        parameters = self._check_shapes((name, tuple(t.shape)) for name, t in named_tensors)
         for name, tensor in named_tensors:
             parameters[name].copy_(tensor)
         self._policy_version = policy_version
