@@ -5,12 +5,15 @@ Builds a random Qwen3 of about 64M parameters (width 512, 12 layers, MLP 2048, v
 process (hf engine, fp32). From this process, a WeightPusher (gloo, one replica) pushes random
 fp32 tensors of the model's parameter shapes `--pushes` times after one warm-up; a push is the
 whole of `WeightPusher.push`: Pause, UpdateWeights with the bucketed broadcast, the engine's
-load, Resume. One gRPC-fallback push (PushWeights stream) is timed as well. The reference is a
-raw gloo broadcast of one flat buffer of the same size between this process and a second one
-(buffers allocated once, each broadcast followed by a barrier). For reference, the time to copy
-the same tensors into same-shaped ones, which the engine's load does after the broadcast.
+load, Resume. The tensors are packed into the push layout (`BucketedWeights`) once, as the
+trainer's gather of its full state dict does before each push; that copy is timed on its own.
+The warm-up push is the one in which the engine moves its parameters into that layout. One
+gRPC-fallback push (PushWeights stream) is timed as well. The reference is a raw gloo broadcast
+of one flat buffer of the same size from this process to a second one (buffers allocated once,
+each broadcast followed by a barrier), timed just before each push, so that both see the same
+machine: the figures are medians of the pairs.
 
-    .venv/bin/python benchmarks/weight_push.py [--pushes 5] [--bucket-mib 100]
+    .venv/bin/python benchmarks/weight_push.py [--pushes 9] [--bucket-mib 100]
 
 The last line printed is one JSON object with the headline figures.
 """
@@ -30,11 +33,13 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from trainer_svc.config import WeightSyncConfig
 from trainer_svc.weight_push import WeightPusher
 from turnrl import rpc
 from turnrl.config import ClientConfig
 from turnrl.tiny_model import build_tiny_model
 from turnrl.v1 import rollout_pb2_grpc
+from turnrl.weights import BucketedWeights
 
 MODEL_CONFIG = Qwen3Config(
     vocab_size=32000,
@@ -65,84 +70,101 @@ async def start_rollout(model_dir: str) -> tuple[asyncio.subprocess.Process, str
     raise RuntimeError("rollout service did not start")
 
 
-async def time_pushes(address: str, tensors: dict, args: argparse.Namespace) -> dict:
-    """Median broadcast-push seconds over `--pushes` after a warm-up, and one gRPC push."""
-    bucket_size_bytes = args.bucket_mib * 1024 * 1024
+async def time_pushes(address: str, weights: BucketedWeights, args: argparse.Namespace) -> dict:
+    """Median seconds of `--pushes` broadcast pushes after a warm-up, each just after a raw
+    broadcast of the same size, and of one gRPC push."""
+    raw = await asyncio.to_thread(RawBroadcast, weights.nbytes, args.pushes + 1)
     async with rpc.open_channel(ClientConfig(address=address)) as channel:
         stubs = [rollout_pb2_grpc.RolloutServiceStub(channel)]
         pusher = await WeightPusher.connect(stubs, timeout_seconds=60)
         assert pusher.mode == "broadcast", "the weight-sync group did not form"
         try:
-            seconds = []
+            push_seconds, raw_seconds = [], []
             for version in range(1, args.pushes + 2):
-                result = await pusher.push(tensors, version, bucket_size_bytes=bucket_size_bytes)
-                seconds.append(result.seconds)
+                raw_seconds.append(await asyncio.to_thread(raw.once))
+                push_seconds.append((await pusher.push(weights, version)).seconds)
         finally:
             pusher.close()
-        print("broadcast pushes, seconds each:", " ".join(f"{s:.3f}" for s in seconds))
+            raw.close()
+        print("broadcast pushes, seconds each:", " ".join(f"{s:.3f}" for s in push_seconds))
+        print("raw broadcasts, seconds each:  ", " ".join(f"{s:.3f}" for s in raw_seconds))
         fallback = await WeightPusher.connect(stubs, mode="grpc")
-        grpc_result = await fallback.push(tensors, args.pushes + 2)
-    return {"push_s": statistics.median(seconds[1:]), "grpc_s": grpc_result.seconds}
+        grpc_result = await fallback.push(weights, args.pushes + 2)
+    return {
+        "push_s": statistics.median(push_seconds[1:]),
+        "raw_s": statistics.median(raw_seconds[1:]),
+        "warmup_s": push_seconds[0],
+        "grpc_s": grpc_result.seconds,
+    }
 
 
-def time_copy(tensors: dict, repeats: int) -> float:
-    """Median seconds to copy the tensors into same-shaped ones, as the engine's load does
-    (the receiving end's last step, after the broadcast), measured in this process."""
-    targets = [torch.empty_like(t) for t in tensors.values()]
+def time_packing(tensors: dict, bucket_size_bytes: int, repeats: int) -> float:
+    """Median seconds to copy the tensors into the push layout, into memory kept from the last
+    time, as the trainer's gather does before every push (the trainer side's one copy)."""
+    weights = BucketedWeights.pack(tensors.items(), bucket_size_bytes)
     seconds = []
     for _ in range(repeats):
         started = time.perf_counter()
-        for target, tensor in zip(targets, tensors.values(), strict=True):
-            target.copy_(tensor)
+        weights = BucketedWeights.pack(tensors.items(), bucket_size_bytes, reuse=weights.data)
         seconds.append(time.perf_counter() - started)
-    return statistics.median(seconds[1:])
+    return statistics.median(seconds)
 
 
-def raw_broadcast(size_bytes: int, repeats: int, rank: int, port: int) -> list[float]:
-    """Seconds per broadcast of one flat buffer from rank 0 to rank 1, each with a barrier."""
+class RawBroadcast:
+    """The reference: rank 0 of a plain gloo group with a child process (rank 1), broadcasting
+    one flat buffer allocated once; `once` times one broadcast and the barrier after it. The
+    child receives `repeats` broadcasts and exits."""
+
+    def __init__(self, size_bytes: int, repeats: int) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self._child = subprocess.Popen(
+            [sys.executable, __file__, "--raw-receiver", f"{size_bytes},{repeats},{port}"]
+        )
+        self._group, self._buffer = raw_group(size_bytes, 0, port)
+
+    def once(self) -> float:
+        return broadcast_and_barrier(self._group, self._buffer)
+
+    def close(self) -> None:
+        self._child.wait(timeout=120)
+        self._group.shutdown()
+
+
+def raw_group(size_bytes: int, rank: int, port: int) -> tuple[dist.ProcessGroup, torch.Tensor]:
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, RAW_TIMEOUT, wait_for_workers=False)
     group = dist.ProcessGroupGloo(store, rank, 2, RAW_TIMEOUT)
-    buffer = (
-        torch.ones(size_bytes, dtype=torch.uint8)
-        if rank == 0
-        else torch.empty(size_bytes, dtype=torch.uint8)
-    )
+    fill = torch.ones if rank == 0 else torch.empty
+    return group, fill(size_bytes, dtype=torch.uint8)
+
+
+def broadcast_and_barrier(group: dist.ProcessGroup, buffer: torch.Tensor) -> float:
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    seconds = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        group.broadcast([buffer], options).wait()
-        group.barrier().wait()
-        seconds.append(time.perf_counter() - started)
-    group.shutdown()
-    return seconds
-
-
-def time_raw(size_bytes: int, repeats: int) -> float:
-    """Median seconds of a raw broadcast, this process sending to a child process."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    receiver = subprocess.Popen(
-        [sys.executable, __file__, "--raw-receiver", f"{size_bytes},{repeats},{port}"]
-    )
-    try:
-        seconds = raw_broadcast(size_bytes, repeats, 0, port)
-    finally:
-        receiver.wait(timeout=120)
-    return statistics.median(seconds[1:])
+    started = time.perf_counter()
+    group.broadcast([buffer], options).wait()
+    group.barrier().wait()
+    return time.perf_counter() - started
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--pushes", type=int, default=5, help="timed pushes after one warm-up")
-    parser.add_argument("--bucket-mib", type=int, default=100, help="broadcast bucket size")
+    parser.add_argument("--pushes", type=int, default=9, help="timed pushes after one warm-up")
+    parser.add_argument(
+        "--bucket-mib",
+        type=int,
+        default=WeightSyncConfig().bucket_size_mb,
+        help="broadcast bucket size (default: the trainer's)",
+    )
     parser.add_argument("--raw-receiver", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.raw_receiver:
         size_bytes, repeats, port = map(int, args.raw_receiver.split(","))
-        raw_broadcast(size_bytes, repeats, 1, port)
+        group, buffer = raw_group(size_bytes, 1, port)
+        for _ in range(repeats):
+            broadcast_and_barrier(group, buffer)
+        group.shutdown()
         return
 
     with tempfile.TemporaryDirectory() as model_dir:
@@ -153,16 +175,18 @@ async def main() -> None:
         del model
         size_bytes = sum(t.nbytes for t in tensors.values())
         print(f"{size_bytes / 1e6 / 4:.1f}M parameters, {size_bytes / 2**20:.0f} MiB of fp32")
+        bucket_size_bytes = args.bucket_mib * 1024 * 1024
+        weights = BucketedWeights.pack(tensors.items(), bucket_size_bytes)
         process, address = await start_rollout(model_dir)
         try:
-            timed = await time_pushes(address, tensors, args)
+            timed = await time_pushes(address, weights, args)
         finally:
             process.terminate()
             await process.wait()
-    raw_s = await asyncio.to_thread(time_raw, size_bytes, args.pushes + 1)
+    raw_s = timed["raw_s"]
     push_gib_s, raw_gib_s = size_bytes / GIB / timed["push_s"], size_bytes / GIB / raw_s
     grpc_gib_s = size_bytes / GIB / timed["grpc_s"]
-    copy_s = time_copy(tensors, args.pushes + 1)
+    pack_s = time_packing(tensors, bucket_size_bytes, args.pushes)
     print(f"{'path':<34} {'seconds':>8} {'GiB/s':>7}")
     print(
         f"{'push (broadcast, bucket ' + str(args.bucket_mib) + ' MiB)':<34} {timed['push_s']:>8.3f} {push_gib_s:>7.2f}"
@@ -170,7 +194,7 @@ async def main() -> None:
     print(f"{'push (gRPC fallback)':<34} {timed['grpc_s']:>8.3f} {grpc_gib_s:>7.2f}")
     print(f"{'raw gloo broadcast, one buffer':<34} {raw_s:>8.3f} {raw_gib_s:>7.2f}")
     print(
-        f"{'copy into parameters (the load)':<34} {copy_s:>8.3f} {size_bytes / GIB / copy_s:>7.2f}"
+        f"{'pack into the push layout (trainer)':<34} {pack_s:>8.3f} {size_bytes / GIB / pack_s:>7.2f}"
     )
     figures = {
         "push_gib_s": round(push_gib_s, 3),
@@ -179,9 +203,10 @@ async def main() -> None:
         "grpc_gib_s": round(grpc_gib_s, 3),
         "push_s": round(timed["push_s"], 4),
         "raw_s": round(raw_s, 4),
-        "load_copy_s": round(copy_s, 4),
+        "warmup_push_s": round(timed["warmup_s"], 4),
+        "pack_s": round(pack_s, 4),
         "bytes": size_bytes,
-        "bucket_size_bytes": args.bucket_mib * 1024 * 1024,
+        "bucket_size_bytes": bucket_size_bytes,
     }
     print(json.dumps(figures))
 

@@ -209,14 +209,22 @@ class RolloutService:
         the trainer's broadcast still completes, and the refusal is raised after.
         """
         self._check_version(policy_version)
+        if bucket_size_bytes <= 0:
+            raise InvalidArgumentError(
+                f"bucket_size_bytes must be positive, got {bucket_size_bytes}"
+            )
         started = time.monotonic()
         try:
             self._engine.check_weights(metas)
             refusal = None
         except InvalidArgumentError as e:
             refusal = e
-        buckets = self._receiver.receive(group_name, metas, bucket_size_bytes)
         async with self._paused_engine():
+            # Into the engine's own parameters where it can hold them in the update's layout.
+            place = None
+            if refusal is None:
+                place = await self._engine.weight_buffer(metas, bucket_size_bytes)
+            buckets = self._receiver.receive(group_name, metas, bucket_size_bytes, place)
             old_version, loaded = self._engine.policy_version, 0
             async for bucket in buckets:
                 if refusal is None:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from turnrl.errors import FailedPreconditionError, InvalidArgumentError
-from turnrl.weights import TensorMeta, plan_buckets, unpack
+from turnrl.weights import BucketedWeights, TensorMeta
 
 BACKENDS = ("gloo", "nccl")
 
@@ -22,12 +22,13 @@ BACKENDS = ("gloo", "nccl")
 class WeightReceiver:
     """This replica's membership of the weight-sync group; one rank per replica."""
 
-    def __init__(self, device: str = "cpu") -> None:
-        self._device = device
+    def __init__(self) -> None:
+        self._device = "cpu"  # where staged updates land: NCCL's collectives need CUDA memory
         self._group: dist.ProcessGroup | None = None
         self._group_name = ""
-        # Holds one update's buckets from push to push: fresh memory costs a page fault per 4 KiB.
-        self._staging = torch.empty(0, dtype=torch.uint8, device=device)
+        # Receives updates that have no place of their own, kept from push to push: fresh
+        # memory costs a page fault per 4 KiB.
+        self._staging = torch.empty(0, dtype=torch.uint8)
 
     async def join(
         self,
@@ -63,66 +64,61 @@ class WeightReceiver:
                 f"{master_address}:{master_port} within {timeout_seconds:g}s: {e}"
             ) from e
         self._group_name = group_name
+        self._device = "cuda" if backend == "nccl" else "cpu"
 
     async def receive(
-        self, group_name: str, metas: list[TensorMeta], bucket_size_bytes: int
+        self,
+        group_name: str,
+        metas: list[TensorMeta],
+        bucket_size_bytes: int,
+        into: BucketedWeights | None = None,
     ) -> AsyncIterator[list[tuple[str, torch.Tensor]]]:
         """Receives one update broadcast by rank 0 and yields it bucket by bucket, in `metas`
         order: each bucket as soon as it has arrived, while the next one is received, so that
-        loading one overlaps receiving the next. The tensors are views of a staging buffer
-        that the next update overwrites: load (copy) them before receiving again. A caller that
-        stops early still receives the rest (unyielded), so the trainer's broadcast completes.
+        loading one overlaps receiving the next.
+
+        The update lands in `into` (an engine's own parameters, laid out for this update) or,
+        without it, in a staging buffer that the next update overwrites: load (copy) those
+        tensors before receiving again. A caller that stops early still receives the rest
+        (unyielded), so the trainer's broadcast completes.
         """
         if self._group is None or group_name != self._group_name:
             raise FailedPreconditionError(
                 f"no weight-sync group {group_name!r}; call InitWeightSync first"
             )
-        if bucket_size_bytes <= 0:
-            raise InvalidArgumentError(
-                f"bucket_size_bytes must be positive, got {bucket_size_bytes}"
+        if into is None:
+            into = BucketedWeights(
+                metas, bucket_size_bytes, device=self._device, reuse=self._staging
             )
-        group = self._group
-        buckets = [[metas[i] for i in bucket] for bucket in plan_buckets(metas, bucket_size_bytes)]
-        sizes = [sum(meta.nbytes for meta in bucket) for bucket in buckets]
-        # Every bucket starts 64-byte aligned, as a fresh buffer would, so its dtype views work.
-        starts = [0]
-        for size in sizes:
-            starts.append(starts[-1] + -(-size // 64) * 64)
-        if self._staging.numel() < starts[-1]:
-            self._staging = torch.empty(starts[-1], dtype=torch.uint8, device=self._device)
-        flats = [
-            self._staging[start : start + size]
-            for start, size in zip(starts[:-1], sizes, strict=True)
-        ]
+            if into.data.numel() > self._staging.numel():
+                self._staging = into.data
+        elif not into.matches(metas, bucket_size_bytes):
+            raise ValueError("`into` is laid out for another update")
+        group, loop = self._group, asyncio.get_running_loop()
+        arrived: asyncio.Queue[int | None] = asyncio.Queue()  # None: the broadcast failed
 
-        def receive(index: int) -> asyncio.Future | None:
-            """Starts receiving bucket `index` in a worker thread; None past the last."""
-            if index == len(flats):
-                return None
-            return asyncio.ensure_future(
-                asyncio.to_thread(_broadcast_from_trainer, group, flats[index])
-            )
+        def receive_all() -> None:
+            """Receives the buckets in turn (in a worker thread), announcing each as it lands:
+            the next one is posted at once, not when the event loop gets round to it."""
+            options = dist.BroadcastOptions()
+            options.rootRank = 0
+            try:
+                for index in range(len(into.buckets)):
+                    group.broadcast([into.bucket(index)], options).wait()
+                    loop.call_soon_threadsafe(arrived.put_nowait, index)
+            except BaseException:
+                loop.call_soon_threadsafe(arrived.put_nowait, None)
+                raise
 
-        index, receiving = 0, receive(0)
+        receiving = asyncio.ensure_future(asyncio.to_thread(receive_all))
         try:
-            for index, bucket in enumerate(buckets):
-                # Taken off `receiving` first: a broadcast that fails leaves nothing to drain.
-                current, receiving = receiving, None
-                await current
-                receiving = receive(index + 1)
-                yield list(zip((m.name for m in bucket), unpack(flats[index], bucket), strict=True))
+            for _ in into.buckets:
+                index = await arrived.get()
+                if index is None:
+                    break
+                yield into.named_tensors(index)
         finally:
-            while receiving is not None:
-                current, receiving = receiving, None
-                await current
-                index += 1
-                receiving = receive(index + 1)
-
-
-def _broadcast_from_trainer(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    group.broadcast([tensor], options).wait()
+            await receiving  # the whole update, also for a caller that stopped; or its failure
 
 
 class ChunkAssembler:
@@ -160,10 +156,8 @@ class ChunkAssembler:
                 raise InvalidArgumentError(
                     f"tensor {meta.name!r}: got {len(buffer)} of its {meta.nbytes} bytes"
                 )
-            flat = (
-                torch.frombuffer(buffer, dtype=torch.uint8)
-                if buffer
-                else torch.empty(0, dtype=torch.uint8)
-            )
-            result.append((meta.name, unpack(flat, [meta])[0].clone()))
+            tensor = torch.empty(meta.shape, dtype=meta.dtype)
+            if buffer:
+                tensor.view(-1).view(torch.uint8).copy_(torch.frombuffer(buffer, dtype=torch.uint8))
+            result.append((meta.name, tensor))
         return result

@@ -48,6 +48,7 @@ from turnrl import rpc
 from turnrl.errors import ConfigError
 from turnrl.tiny_model import build_tiny_model
 from turnrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, tool_pb2, tool_pb2_grpc
+from turnrl.weights import BucketedWeights
 
 logger = logging.getLogger(__name__)
 MIB = 1024 * 1024
@@ -238,6 +239,7 @@ class Controller(RunLoop):
                 mode=config.weight_sync.mode,
             )
             self._policy_version = 0  # the last weight version pushed
+            self._push_weights: BucketedWeights | None = None  # its memory serves the next push
             try:
                 await self._push()
                 self.emit(ProgressEvent(self.step, "setup", message=f"model {model_path}"))
@@ -359,12 +361,11 @@ class Controller(RunLoop):
         """Sends the policy's weights as the next version the engine has not seen."""
         stats = await self.rollout.GetStats(rollout_pb2.GetStatsRequest(), timeout=30)
         self._policy_version = max(self._policy_version, stats.policy_version) + 1
-        weights = await asyncio.to_thread(self.policy.full_state_dict)
-        await self.pusher.push(
-            weights,
-            self._policy_version,
-            bucket_size_bytes=self.config.weight_sync.bucket_size_mb * MIB,
+        bucket_size_bytes = self.config.weight_sync.bucket_size_mb * MIB
+        self._push_weights = await asyncio.to_thread(
+            self.policy.full_weights, bucket_size_bytes, self._push_weights
         )
+        await self.pusher.push(self._push_weights, self._policy_version)
 
     async def _evaluate(self) -> None:
         if not self.held_out:

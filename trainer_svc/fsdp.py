@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer_svc.config import TrainSettings
+from turnrl.weights import BucketedWeights
 
 # Files of a Hugging Face tokenizer folder that `save_pretrained` copies, when present.
 TOKENIZER_FILES = (
@@ -396,6 +397,19 @@ class FsdpPolicy(FsdpModel):
             return state
         # Plain on CPU, the tensors are the live parameters.
         return {name: tensor.detach().clone() for name, tensor in state.items()}
+
+    def full_weights(
+        self, bucket_size_bytes: int, reuse: BucketedWeights | None = None
+    ) -> BucketedWeights | None:
+        """The unsharded fp32 weights on CPU, laid out for a push in buckets of
+        `bucket_size_bytes` (in `reuse`'s memory when given and large enough). Under FSDP only
+        rank 0 gets them; other ranks get None."""
+        state = get_model_state_dict(self.model, options=FULL_ON_CPU)
+        if self.rank != 0:
+            return None
+        return BucketedWeights.pack(
+            state.items(), bucket_size_bytes, reuse=None if reuse is None else reuse.data
+        )
 
     def save_pretrained(self, folder: str | Path, tokenizer_dir: str | Path | None = None) -> None:
         """Writes the model in Hugging Face format (config, safetensors) into `folder` on rank 0,

@@ -4,21 +4,19 @@ rollout replica.
 `WeightPusher.connect` forms the weight-sync group: this process hosts the group's TCPStore
 and joins as rank 0 while each replica joins through InitWeightSync with one rank (replica i
 is rank i + 1). `push` pauses every replica, sends one update, and resumes them, also when the
-push fails. An update is one broadcast per bucket (the `turnrl.weights` layout, which
-`rollout_svc.weight_sync` unpacks) while every replica's UpdateWeights call receives it; when
-no group could be formed, it is a PushWeights stream of chunks to each replica instead.
+push fails. An update is `BucketedWeights`, the tensors already laid out as they travel: one
+broadcast per bucket, straight from its memory, while every replica's UpdateWeights call
+receives it; when no group could be formed, a PushWeights stream of chunks to each replica.
 
-Collectives block, so they run in a worker thread. It packs the next bucket into one of two
-staging buffers, kept from push to push (fresh memory costs a page fault per 4 KiB), while the
-last bucket is on the wire. A failed broadcast leaves the ranks out of step: the group is
-dropped and later pushes go over gRPC.
+Collectives block, so they run in a worker thread. A failed broadcast leaves the ranks out of
+step: the group is dropped and later pushes go over gRPC.
 """
 
 import asyncio
 import datetime
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Self
 
@@ -29,7 +27,7 @@ from google.protobuf import duration_pb2
 
 from turnrl import errors, rpc
 from turnrl.v1 import rollout_pb2, rollout_pb2_grpc
-from turnrl.weights import TensorMeta, plan_buckets
+from turnrl.weights import BucketedWeights
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +35,6 @@ BACKENDS = {
     "gloo": rollout_pb2.InitWeightSyncRequest.BACKEND_GLOO,
     "nccl": rollout_pb2.InitWeightSyncRequest.BACKEND_NCCL,
 }
-DEFAULT_BUCKET_SIZE_BYTES = 100 * 1024 * 1024
 # PushWeights chunk size: well under the channels' 64 MiB message limit.
 CHUNK_SIZE_BYTES = 4 * 1024 * 1024
 # Deadline of Pause and Resume; Pause returns at the engine's next decode step.
@@ -69,7 +66,6 @@ class WeightPusher:
         self._device = device
         self._group: dist.ProcessGroup | None = None
         self._group_name = ""
-        self._staging = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]
 
     @property
     def mode(self) -> Literal["broadcast", "grpc"]:
@@ -108,22 +104,13 @@ class WeightPusher:
         return pusher
 
     async def push(
-        self,
-        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-        policy_version: int,
-        *,
-        bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
-        dtype: torch.dtype | None = None,
-        timeout_seconds: float = 300.0,
+        self, weights: BucketedWeights, policy_version: int, *, timeout_seconds: float = 300.0
     ) -> PushResult:
-        """Pauses every replica, sends the tensors (cast to `dtype` when given: bfloat16 halves
-        the bytes, float32 keeps them exact), checks that every replica took `policy_version`,
-        and resumes them. Raises FailedPreconditionError, before sending anything, when
-        `policy_version` is not newer than a replica's; a replica's error as the turnrl error
-        of its status code, naming the replica."""
-        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        tensors = [tensor.detach() for _, tensor in items]
-        metas = [TensorMeta(name, dtype or t.dtype, tuple(t.shape)) for name, t in items]
+        """Pauses every replica, sends `weights` (build them with `BucketedWeights.pack`, in
+        bfloat16 to halve the bytes, float32 to keep them exact), checks that every replica
+        took `policy_version`, and resumes them. Raises FailedPreconditionError, before sending
+        anything, when `policy_version` is not newer than a replica's; a replica's error as the
+        turnrl error of its status code, naming the replica."""
         started = time.perf_counter()
         try:
             paused = await _all(
@@ -137,7 +124,7 @@ class WeightPusher:
                         f"{index}'s {reply.policy_version}; nothing was sent"
                     )
             send = self._stream if self._group is None else self._broadcast
-            replies = await send(tensors, metas, bucket_size_bytes, policy_version, timeout_seconds)
+            replies = await send(weights, policy_version, timeout_seconds)
         finally:
             resume_failure = await self._resume_all()
         if resume_failure is not None:
@@ -148,12 +135,10 @@ class WeightPusher:
                 f"rollout replicas report policy_version {versions} after pushing {policy_version}"
             )
         seconds = time.perf_counter() - started
-        return PushResult(sum(m.nbytes for m in metas), seconds, versions, self.mode)
+        return PushResult(weights.nbytes, seconds, versions, self.mode)
 
     def close(self) -> None:
-        """Leaves the group and frees the staging buffers. Replicas keep their end until they
-        join another group."""
-        self._staging = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]
+        """Leaves the group. Replicas keep their end until they join another group."""
         if self._group is not None:
             self._group.shutdown()
             self._group = None
@@ -203,21 +188,19 @@ class WeightPusher:
         return group
 
     async def _broadcast(
-        self, tensors: list[torch.Tensor], metas: list[TensorMeta], bucket_size_bytes: int,
-        policy_version: int, timeout_seconds: float,
-    ) -> list[rollout_pb2.UpdateWeightsResponse]:  # fmt: skip
+        self, weights: BucketedWeights, policy_version: int, timeout_seconds: float
+    ) -> list[rollout_pb2.UpdateWeightsResponse]:
         request = rollout_pb2.UpdateWeightsRequest(
             group_name=self._group_name,
-            tensors=[meta.to_proto() for meta in metas],
-            bucket_size_bytes=bucket_size_bytes,
+            tensors=[meta.to_proto() for meta in weights.metas],
+            bucket_size_bytes=weights.bucket_size_bytes,
             policy_version=policy_version,
         )
         # The replicas receive while rank 0 sends. Every call and the sender run to their end
         # (a replica that fails early leaves the sender waiting out the group's timeout), so
         # no thread is left broadcasting into the next push.
         calls = [stub.UpdateWeights(request, timeout=timeout_seconds) for stub in self._stubs]
-        buckets = plan_buckets(metas, bucket_size_bytes)
-        sending = asyncio.to_thread(self._send_buckets, tensors, metas, buckets)
+        sending = asyncio.to_thread(self._send_buckets, weights)
         try:
             *results, sent = await asyncio.gather(*calls, sending, return_exceptions=True)
         except asyncio.CancelledError:
@@ -230,49 +213,29 @@ class WeightPusher:
             raise sent
         return replies
 
-    def _send_buckets(
-        self, tensors: list[torch.Tensor], metas: list[TensorMeta], buckets: list[list[int]]
-    ) -> None:
-        """Broadcasts the buckets in order (in a worker thread), packing the next one into the
-        other staging buffer, grown when too small, while the last is on the wire."""
+    def _send_buckets(self, weights: BucketedWeights) -> None:
+        """Broadcasts the buckets in order, each from where it lies (in a worker thread)."""
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        in_flight = None
-        for number, bucket in enumerate(buckets):
-            parts = [_uint8_view(tensors[i].to(metas[i].dtype)) for i in bucket]
-            flat = parts[0]  # a bucket of one tensor goes from the tensor itself
-            if len(parts) > 1:
-                size, slot = sum(part.numel() for part in parts), number % 2
-                if self._staging[slot].numel() < size:
-                    self._staging[slot] = torch.empty(size, dtype=torch.uint8)
-                flat = torch.cat(parts, out=self._staging[slot][:size])
-            flat = flat.to(self._device)
-            if in_flight is not None:
-                in_flight.wait()
-            in_flight = self._group.broadcast([flat], options)
-        if in_flight is not None:
-            in_flight.wait()
+        for index in range(len(weights.buckets)):
+            self._group.broadcast([weights.bucket(index).to(self._device)], options).wait()
 
     async def _stream(
-        self, tensors: list[torch.Tensor], metas: list[TensorMeta], bucket_size_bytes: int,
-        policy_version: int, timeout_seconds: float,
-    ) -> list[rollout_pb2.PushWeightsResponse]:  # fmt: skip
-        arrays = await asyncio.to_thread(
-            lambda: [
-                _uint8_view(t.to(m.dtype)).numpy() for t, m in zip(tensors, metas, strict=True)
-            ]
-        )
+        self, weights: BucketedWeights, policy_version: int, timeout_seconds: float
+    ) -> list[rollout_pb2.PushWeightsResponse]:
         header = rollout_pb2.PushWeightsHeader(
-            tensors=[meta.to_proto() for meta in metas], policy_version=policy_version
+            tensors=[meta.to_proto() for meta in weights.metas], policy_version=policy_version
         )
 
         async def requests() -> AsyncIterator[rollout_pb2.PushWeightsRequest]:
             yield rollout_pb2.PushWeightsRequest(header=header)
-            for index, array in enumerate(arrays):
-                for offset in range(0, array.size, CHUNK_SIZE_BYTES):
-                    data = array[offset : offset + CHUNK_SIZE_BYTES].tobytes()
+            for index in range(len(weights.metas)):
+                data = weights.tensor(index).view(-1).view(torch.uint8).cpu().numpy()
+                for offset in range(0, data.size, CHUNK_SIZE_BYTES):
                     chunk = rollout_pb2.TensorChunk(
-                        tensor_index=index, offset_bytes=offset, data=data
+                        tensor_index=index,
+                        offset_bytes=offset,
+                        data=data[offset : offset + CHUNK_SIZE_BYTES].tobytes(),
                     )
                     yield rollout_pb2.PushWeightsRequest(chunk=chunk)
 
@@ -295,11 +258,6 @@ class WeightPusher:
     def _drop_group(self, reason: str) -> None:
         log.warning("dropping the weight-sync group (%s); pushing as gRPC streams from now", reason)
         self.close()
-
-
-def _uint8_view(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as a flat uint8 tensor on CPU; no copy when already contiguous."""
-    return tensor.cpu().contiguous().view(-1).view(torch.uint8)
 
 
 async def _all(calls: Iterable[Awaitable[Any]]) -> list[Any]:

@@ -1,13 +1,18 @@
-"""Weight updates on the wire: tensor specs and the bucket layout that the trainer (sender)
-and every rollout engine (receiver) must agree on byte for byte.
+"""Weight updates on the wire: tensor specs and the memory layout of an update, on which the
+trainer (sender) and every rollout engine (receiver) must agree byte for byte.
 
-A push sends tensors in spec order, packed into flat uint8 buckets of at most
-`bucket_size_bytes` (a tensor larger than that gets a bucket of its own). One broadcast per
-bucket moves far more bytes per second than one per tensor.
+A push sends tensors in spec order, in flat buckets of at most `bucket_size_bytes` (a tensor
+larger than that gets a bucket of its own), one broadcast per bucket: far more bytes per
+second than one per tensor. Inside a bucket every tensor starts at a multiple of 64 bytes, so
+a bucket's bytes can be the tensors themselves: `BucketedWeights` keeps an update in exactly
+that layout. The trainer gathers its weights into one and broadcasts its buckets as they lie,
+and an engine whose parameters live in one receives the broadcast straight into them; no side
+packs or unpacks.
 """
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 
@@ -19,6 +24,8 @@ DTYPES = {
     rollout_pb2.TensorSpec.D_TYPE_FLOAT16: torch.float16,
 }
 WIRE_DTYPES = {dtype: wire for wire, dtype in DTYPES.items()}
+# Where each tensor may start: a multiple of every element size, and of a cache line.
+ALIGNMENT_BYTES = 64
 
 
 @dataclass(frozen=True)
@@ -34,7 +41,7 @@ class TensorMeta:
         count = 1
         for size in self.shape:
             count *= size
-        return count * _element_size(self.dtype)
+        return count * torch.empty((), dtype=self.dtype).element_size()
 
     def to_proto(self) -> rollout_pb2.TensorSpec:
         return rollout_pb2.TensorSpec(
@@ -51,39 +58,86 @@ class TensorMeta:
         return cls(spec.name, DTYPES[spec.dtype], tuple(spec.shape))
 
 
-def plan_buckets(metas: list[TensorMeta], bucket_size_bytes: int) -> list[list[int]]:
-    """Indices of `metas` per bucket, in order, each bucket at most `bucket_size_bytes`."""
-    buckets: list[list[int]] = []
-    size = 0
-    for index, meta in enumerate(metas):
-        if not buckets or size + meta.nbytes > bucket_size_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(index)
-        size += meta.nbytes
-    return buckets
+class BucketedWeights:
+    """The tensors of one update in one flat uint8 buffer, laid out as they travel: bucket
+    after bucket, each tensor at a 64-byte-aligned offset. `bucket(k)` is bucket k's bytes
+    (what one broadcast sends or receives), `tensor(i)` a typed view of tensor i in it.
 
+    `reuse` is a buffer to lay the update out in when it is large enough (an earlier update's
+    `data`): fresh memory costs a page fault per 4 KiB on its first write."""
 
-def pack(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """One flat uint8 tensor holding `tensors` back to back (contiguous, on CPU)."""
-    return torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for t in tensors])
+    def __init__(
+        self,
+        metas: Sequence[TensorMeta],
+        bucket_size_bytes: int,
+        *,
+        device: torch.device | str = "cpu",
+        reuse: torch.Tensor | None = None,
+    ) -> None:
+        if bucket_size_bytes <= 0:
+            raise ValueError(f"bucket_size_bytes must be positive, got {bucket_size_bytes}")
+        self.metas = list(metas)
+        self.bucket_size_bytes = bucket_size_bytes
+        self.buckets: list[list[int]] = []  # indices of `metas`, in order
+        self._offsets: list[int] = []  # each tensor's first byte in `data`
+        self._bounds: list[tuple[int, int]] = []  # each bucket's first and past-last byte
+        cursor = 0  # always aligned
+        for index, meta in enumerate(self.metas):
+            if not self.buckets or cursor - self._bounds[-1][0] + meta.nbytes > bucket_size_bytes:
+                self.buckets.append([])
+                self._bounds.append((cursor, cursor))
+            self.buckets[-1].append(index)
+            self._offsets.append(cursor)
+            self._bounds[-1] = (self._bounds[-1][0], cursor + meta.nbytes)
+            cursor += -(-meta.nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+        device = torch.device(device)
+        if reuse is not None and reuse.device == device and reuse.numel() >= cursor:
+            self.data = reuse[:cursor]
+        else:
+            self.data = torch.empty(cursor, dtype=torch.uint8, device=device)
 
+    @classmethod
+    def pack(
+        cls,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        bucket_size_bytes: int,
+        *,
+        dtype: torch.dtype | None = None,
+        reuse: torch.Tensor | None = None,
+    ) -> Self:
+        """`named_tensors` copied into a new layout on CPU, cast to `dtype` when given. A
+        tensor that is an earlier one (tied embeddings) goes once, under the earlier name: the
+        receiving model ties them too."""
+        items, seen = [], set()
+        for name, tensor in named_tensors:
+            same = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+            if tensor.numel() == 0 or same not in seen:
+                seen.add(same)
+                items.append((name, tensor.detach()))
+        metas = [TensorMeta(name, dtype or t.dtype, tuple(t.shape)) for name, t in items]
+        weights = cls(metas, bucket_size_bytes, reuse=reuse)
+        for index, (_, tensor) in enumerate(items):
+            weights.tensor(index).copy_(tensor)
+        return weights
 
-def unpack(flat: torch.Tensor, metas: list[TensorMeta]) -> list[torch.Tensor]:
-    """The tensors of `metas`, in order: views of `flat`, or copies where a tensor's bytes do not
-    start at a multiple of its element size (an odd-length bf16 tensor before an fp32 one)."""
-    tensors = []
-    offset = 0
-    for meta in metas:
-        chunk = flat[offset : offset + meta.nbytes]
-        if chunk.storage_offset() % _element_size(meta.dtype):
-            chunk = chunk.clone()
-        tensors.append(chunk.view(meta.dtype).view(meta.shape))
-        offset += meta.nbytes
-    if offset != flat.numel():
-        raise ValueError(f"bucket holds {flat.numel()} bytes; its tensors need {offset}")
-    return tensors
+    @property
+    def nbytes(self) -> int:
+        """The tensors' bytes, padding not counted."""
+        return sum(meta.nbytes for meta in self.metas)
 
+    def matches(self, metas: Sequence[TensorMeta], bucket_size_bytes: int) -> bool:
+        """Whether an update of `metas` in buckets of `bucket_size_bytes` has this layout."""
+        return bucket_size_bytes == self.bucket_size_bytes and list(metas) == self.metas
 
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    def bucket(self, index: int) -> torch.Tensor:
+        start, end = self._bounds[index]
+        return self.data[start:end]
+
+    def tensor(self, index: int) -> torch.Tensor:
+        meta, start = self.metas[index], self._offsets[index]
+        return self.data[start : start + meta.nbytes].view(meta.dtype).view(meta.shape)
+
+    def named_tensors(self, bucket: int | None = None) -> list[tuple[str, torch.Tensor]]:
+        """(name, view) of every tensor, or of bucket `bucket`'s, in order."""
+        indices = range(len(self.metas)) if bucket is None else self.buckets[bucket]
+        return [(self.metas[i].name, self.tensor(i)) for i in indices]

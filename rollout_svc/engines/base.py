@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from turnrl.weights import TensorMeta
+from turnrl.weights import BucketedWeights, TensorMeta
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,19 @@ class Engine(Protocol):
         """Raises InvalidArgumentError when update_weights would refuse these tensors (a name
         the model lacks, another shape), before any is sent."""
 
+    async def weight_buffer(
+        self, metas: Sequence[TensorMeta], bucket_size_bytes: int
+    ) -> BucketedWeights | None:
+        """The engine's own parameters laid out as this update travels (engine paused by the
+        caller), so that receiving the broadcast into it loads the weights with no copy; None
+        where the engine cannot keep them that way (another dtype, a parameter named twice)."""
+
     async def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], policy_version: int
     ) -> None:
         """Loads new weights (engine paused by the caller) and takes `policy_version`. An
-        update may come in several calls, one per bucket as it arrives."""
+        update may come in several calls, one per bucket as it arrives; tensors that are views
+        of `weight_buffer` are in place already."""
 
     def stats(self) -> dict[str, float]:
         """Current engine metrics: running requests, queued requests, KV cache use, ..."""

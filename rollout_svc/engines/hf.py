@@ -45,7 +45,7 @@ from rollout_svc.engines.base import FinishReason, GenerateOutput, SamplingParam
 from rollout_svc.engines.hf_cache import BatchKv, Kv, SessionKvStore
 from turnrl.config import StrictModel
 from turnrl.errors import AlreadyExistsError, FailedPreconditionError, InvalidArgumentError
-from turnrl.weights import TensorMeta
+from turnrl.weights import BucketedWeights, TensorMeta
 
 logger = logging.getLogger(__name__)
 
@@ -320,6 +320,8 @@ class HfEngine:
         self._vocab_size = model.get_input_embeddings().num_embeddings
         self._seeds = random.Random(options.seed)
         self._policy_version = 0
+        # The parameters' home once a weight push has laid them out as it travels.
+        self._weight_buffer: BucketedWeights | None = None
         # Shared with the event loop, guarded by _lock.
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -430,6 +432,18 @@ class HfEngine:
         and running requests recompute their KV from their tokens under the new weights.
         """
         await self._call_in_worker(lambda: self._load_weights(list(named_tensors), policy_version))
+
+    async def weight_buffer(
+        self, metas: Sequence[TensorMeta], bucket_size_bytes: int
+    ) -> BucketedWeights | None:
+        """The parameters, moved into one buffer laid out as this update travels (a copy, the
+        first time a layout is asked for; the engine must be paused), so that a broadcast
+        received into it is the load. None when an update tensor's dtype differs from its
+        parameter's or two names share a parameter (tied embeddings sent twice). Raises
+        InvalidArgumentError as check_weights does."""
+        return await self._call_in_worker(
+            lambda: self._lay_out_parameters(list(metas), bucket_size_bytes)
+        )
 
     def check_weights(self, metas: Sequence[TensorMeta]) -> None:
         """Raises InvalidArgumentError naming the first tensor the model has no parameter
@@ -748,12 +762,33 @@ class HfEngine:
             self._finish(request, outcome, None)
         self._waiting.clear()
 
+    def _lay_out_parameters(
+        self, metas: list[TensorMeta], bucket_size_bytes: int
+    ) -> BucketedWeights | None:
+        current = self._weight_buffer
+        if current is not None and current.matches(metas, bucket_size_bytes):
+            return current
+        parameters = self._check_shapes((meta.name, meta.shape) for meta in metas)
+        targets = [parameters[meta.name] for meta in metas]
+        if not targets or len({id(p) for p in targets}) < len(targets):
+            return None
+        if any(p.dtype != meta.dtype for p, meta in zip(targets, metas, strict=True)):
+            return None
+        layout = BucketedWeights(metas, bucket_size_bytes, device=targets[0].device)
+        for index, parameter in enumerate(targets):
+            place = layout.tensor(index)
+            place.copy_(parameter)
+            parameter.data = place
+        self._weight_buffer = layout
+        return layout
+
     def _load_weights(
         self, named_tensors: list[tuple[str, torch.Tensor]], policy_version: int
     ) -> None:
         parameters = self._check_shapes((name, tuple(t.shape)) for name, t in named_tensors)
         for name, tensor in named_tensors:
-            parameters[name].copy_(tensor)
+            if tensor.data_ptr() != parameters[name].data_ptr():  # else received in place
+                parameters[name].copy_(tensor)
         self._policy_version = policy_version
         with self._lock:
             self._sessions.clear()

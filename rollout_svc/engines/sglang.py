@@ -51,7 +51,7 @@ from turnrl.errors import (
     UnavailableError,
 )
 from turnrl.http_json import MAX_ERROR_BODY_CHARS
-from turnrl.weights import TensorMeta
+from turnrl.weights import BucketedWeights, TensorMeta
 
 log = logging.getLogger(__name__)
 
@@ -380,6 +380,12 @@ class SglangEngine:
         self._policy_version = policy_version
 
     def check_weights(self, metas: Sequence[TensorMeta]) -> None:
+        """Not supported, as update_weights is not."""
+        raise NotImplementedError(UPDATE_WEIGHTS_UNSUPPORTED)
+
+    async def weight_buffer(
+        self, metas: Sequence[TensorMeta], bucket_size_bytes: int
+    ) -> BucketedWeights | None:
         """Not supported, as update_weights is not."""
         raise NotImplementedError(UPDATE_WEIGHTS_UNSUPPORTED)
 

@@ -14,6 +14,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from rollout_svc.engines.base import FinishReason, GenerateOutput, SamplingParams
 from rollout_svc.engines.hf import HfEngine, HfEngineOptions
 from turnrl.errors import AlreadyExistsError, FailedPreconditionError, InvalidArgumentError
+from turnrl.weights import TensorMeta
 
 VOCAB_SIZE = 512
 MAX_MODEL_LEN = 512
@@ -560,6 +561,41 @@ async def test_bad_weight_updates_change_nothing(
     prompt = random_ids(9, seed=40)
     out = await engine.generate(prompt, greedy(10), "after")
     assert out.output_ids == generate_reference(reference, prompt, 10)
+
+
+async def test_a_push_is_received_into_the_parameters_themselves(
+    model_dir: Path, reference: Qwen3ForCausalLM, perturbed: dict[str, torch.Tensor]
+) -> None:
+    old_model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    metas = [TensorMeta(name, t.dtype, tuple(t.shape)) for name, t in perturbed.items()]
+    prompt = random_ids(9, seed=41)
+    engine = await start_engine(model_dir)
+    try:
+        await engine.pause()
+        place = await engine.weight_buffer(metas, bucket_size_bytes=16 * 1024)
+        assert place is not None and len(place.buckets) > 1
+        assert await engine.weight_buffer(metas, bucket_size_bytes=16 * 1024) is place
+        await engine.resume()
+        # Moving the parameters into the layout kept their values.
+        out = await engine.generate(prompt, greedy(10), "moved")
+        assert out.output_ids == generate_reference(old_model, prompt, 10)
+        await engine.pause()
+        for index, meta in enumerate(metas):  # what the broadcast writes
+            place.tensor(index).copy_(perturbed[meta.name])
+        await engine.update_weights(place.named_tensors(), policy_version=1)
+        await engine.resume()
+        out = await engine.generate(prompt, greedy(10), "pushed")
+        assert out.output_ids == generate_reference(reference, prompt, 10)
+        assert_logprobs_match(reference, prompt, out)
+        assert engine.policy_version == 1
+        # The engine keeps its parameters as they are where the layout cannot be theirs.
+        bf16 = [TensorMeta(m.name, torch.bfloat16, m.shape) for m in metas]
+        assert await engine.weight_buffer(bf16, bucket_size_bytes=16 * 1024) is None
+        assert await engine.weight_buffer(metas + metas[:1], bucket_size_bytes=16 * 1024) is None
+        with pytest.raises(InvalidArgumentError, match="unknown parameter 'nope'"):
+            await engine.weight_buffer([TensorMeta("nope", torch.float32, (2,))], 1024)
+    finally:
+        await engine.close()
 
 
 async def test_close_aborts_pending_requests(model_dir: Path) -> None:

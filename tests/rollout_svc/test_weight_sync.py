@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from rollout_svc.weight_sync import ChunkAssembler, WeightReceiver
 from turnrl.errors import FailedPreconditionError, InvalidArgumentError
-from turnrl.weights import TensorMeta, pack, plan_buckets, unpack
+from turnrl.weights import ALIGNMENT_BYTES, BucketedWeights, TensorMeta
 
 
 def state_dict() -> dict[str, torch.Tensor]:
@@ -31,20 +31,38 @@ def metas_of(tensors: dict[str, torch.Tensor]) -> list[TensorMeta]:
 
 def test_buckets_respect_the_size_and_the_order():
     metas = metas_of(state_dict())
-    buckets = plan_buckets(metas, bucket_size_bytes=1024)
-    assert [i for bucket in buckets for i in bucket] == list(range(len(metas)))
-    for bucket in buckets:
-        size = sum(metas[i].nbytes for i in bucket)
-        assert size <= 1024 or len(bucket) == 1  # only a tensor larger than a bucket is alone
-    assert len(plan_buckets(metas, bucket_size_bytes=1 << 30)) == 1
+    layout = BucketedWeights(metas, bucket_size_bytes=1024)
+    assert [i for bucket in layout.buckets for i in bucket] == list(range(len(metas)))
+    for index, bucket in enumerate(layout.buckets):
+        # only a tensor larger than a bucket is alone
+        assert layout.bucket(index).numel() <= 1024 or len(bucket) == 1
+    assert len(BucketedWeights(metas, bucket_size_bytes=1 << 30).buckets) == 1
 
 
-def test_pack_and_unpack_are_exact():
-    tensors = state_dict()
-    out = unpack(pack(tensors.values()), metas_of(tensors))
-    assert all(
-        torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(tensors.values(), out, strict=True)
-    )
+def test_every_tensor_starts_aligned_and_packing_is_exact():
+    odd_bf16 = torch.randn(3).bfloat16()  # 6 bytes: the next tensor would start unaligned
+    tensors = {"odd": odd_bf16, **state_dict()}
+    weights = BucketedWeights.pack(tensors.items(), bucket_size_bytes=1024)
+    for index, (name, tensor) in enumerate(weights.named_tensors()):
+        assert tensor.data_ptr() % ALIGNMENT_BYTES == 0
+        assert tensor.data_ptr() == weights.tensor(index).data_ptr()
+        assert torch.equal(tensor, tensors[name]) and tensor.dtype == tensors[name].dtype
+    assert weights.nbytes == sum(t.nbytes for t in tensors.values())
+    bucket = weights.bucket(0)
+    first = weights.named_tensors(0)[0][1]
+    assert bucket.data_ptr() == first.data_ptr()  # a bucket's bytes are its tensors
+
+
+def test_packing_casts_sends_tied_tensors_once_and_reuses_memory():
+    embed = torch.randn(8, 4)
+    tied = [("embed.weight", embed), ("norm.weight", torch.randn(4)), ("lm_head.weight", embed)]
+    weights = BucketedWeights.pack(tied, 4096, dtype=torch.bfloat16)
+    assert [meta.name for meta in weights.metas] == ["embed.weight", "norm.weight"]
+    assert weights.tensor(0).dtype == torch.bfloat16
+    assert torch.equal(weights.tensor(0), embed.bfloat16())
+    again = BucketedWeights.pack(tied, 4096, dtype=torch.bfloat16, reuse=weights.data)
+    assert again.data.data_ptr() == weights.data.data_ptr()
+    assert again.matches(weights.metas, 4096) and not again.matches(weights.metas, 2048)
 
 
 def free_port() -> int:
@@ -58,29 +76,29 @@ def trainer_rank_zero(port: int, updates: list[dict[str, torch.Tensor]], bucket_
     timeout = datetime.timedelta(seconds=30)
     store = dist.TCPStore("127.0.0.1", port, 2, True, timeout)
     group = dist.ProcessGroupGloo(store, 0, 2, timeout)
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
     for tensors in updates:
-        values = list(tensors.values())
-        for bucket in plan_buckets(metas_of(tensors), bucket_size):
-            flat = pack([values[i] for i in bucket])
-            options = dist.BroadcastOptions()
-            options.rootRank = 0
-            group.broadcast([flat], options).wait()
+        weights = BucketedWeights.pack(tensors.items(), bucket_size)
+        for index in range(len(weights.buckets)):
+            group.broadcast([weights.bucket(index)], options).wait()
 
 
-def test_unpack_copes_with_tensors_at_unaligned_offsets():
-    odd_bf16 = torch.randn(3).bfloat16()  # 6 bytes: the fp32 tensor after it starts at byte 6
-    fp32 = torch.randn(2, 2)
-    metas = [TensorMeta("a", torch.bfloat16, (3,)), TensorMeta("b", torch.float32, (2, 2))]
-    first, second = unpack(pack([odd_bf16, fp32]), metas)
-    assert torch.equal(first, odd_bf16) and torch.equal(second, fp32)
-
-
-async def test_receives_a_gloo_broadcast_from_rank_zero():
-    tensors, port, bucket_size = state_dict(), free_port(), 2048
-    trainer = threading.Thread(target=trainer_rank_zero, args=(port, [tensors], bucket_size))
+async def joined(
+    updates: list[dict[str, torch.Tensor]], bucket_size: int
+) -> tuple[WeightReceiver, threading.Thread]:
+    """A receiver in a group with a trainer's rank 0 that broadcasts `updates` (a thread)."""
+    port = free_port()
+    trainer = threading.Thread(target=trainer_rank_zero, args=(port, updates, bucket_size))
     trainer.start()
     receiver = WeightReceiver()
     await receiver.join("127.0.0.1", port, 2, 1, "gloo", "weights", timeout_seconds=30)
+    return receiver, trainer
+
+
+async def test_receives_a_gloo_broadcast_from_rank_zero():
+    tensors, bucket_size = state_dict(), 2048
+    receiver, trainer = await joined([tensors], bucket_size)
     buckets = [
         bucket async for bucket in receiver.receive("weights", metas_of(tensors), bucket_size)
     ]
@@ -90,6 +108,22 @@ async def test_receives_a_gloo_broadcast_from_rank_zero():
     assert [name for name, _ in received] == list(tensors)
     for (_, got), expected in zip(received, tensors.values(), strict=True):
         assert torch.equal(got, expected) and got.dtype == expected.dtype
+
+
+async def test_receives_into_a_given_layout():
+    # As into an engine's own parameters: the bytes land in that memory, nowhere else.
+    tensors, bucket_size = state_dict(), 2048
+    receiver, trainer = await joined([tensors], bucket_size)
+    place = BucketedWeights(metas_of(tensors), bucket_size)
+    place.data.zero_()
+    async for bucket in receiver.receive("weights", metas_of(tensors), bucket_size, into=place):
+        for name, tensor in bucket:
+            assert tensor.data_ptr() == place.tensor(list(tensors).index(name)).data_ptr()
+    await asyncio.to_thread(trainer.join)
+    for (_, got), expected in zip(place.named_tensors(), tensors.values(), strict=True):
+        assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="laid out for another update"):
+        await anext(receiver.receive("weights", metas_of(tensors), bucket_size // 2, into=place))
 
 
 @pytest.mark.parametrize(
@@ -109,11 +143,8 @@ async def test_receive_without_a_group_is_a_failed_precondition():
 async def test_a_receiver_that_stops_early_still_receives_the_whole_update():
     # The rest of a stopped update is received and dropped, so the next one lines up.
     first, second = state_dict(), {name: t + 1 for name, t in state_dict().items()}
-    port, bucket_size = free_port(), 2048
-    trainer = threading.Thread(target=trainer_rank_zero, args=(port, [first, second], bucket_size))
-    trainer.start()
-    receiver = WeightReceiver()
-    await receiver.join("127.0.0.1", port, 2, 1, "gloo", "weights", timeout_seconds=30)
+    bucket_size = 2048
+    receiver, trainer = await joined([first, second], bucket_size)
     stopped = receiver.receive("weights", metas_of(first), bucket_size)
     await anext(stopped)
     await stopped.aclose()  # as a load that fails on the first bucket does
@@ -139,7 +170,7 @@ def test_chunks_rebuild_the_tensors():
     metas = metas_of(tensors)
     assembler = ChunkAssembler(metas)
     for index, tensor in enumerate(tensors.values()):
-        data = pack([tensor]).numpy().tobytes()
+        data = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
         for offset in range(0, len(data), 100):
             assembler.add(index, offset, data[offset : offset + 100])
     rebuilt = assembler.tensors()

@@ -69,6 +69,8 @@ def main(model_dir: str, checkpoint_file: str, out_dir: str) -> None:
     gradients = step_gradients(policy)
     metrics = [policy.train_step(rows, token_mean_loss) for _ in range(STEPS)]
     trained = policy.full_state_dict()
+    pushed = policy.full_weights(bucket_size_bytes=4096)
+    assert (pushed is None) == (policy.rank != 0)
     policy.save_pretrained(Path(out_dir) / "hf")
     policy.load_checkpoint_state(torch.load(checkpoint_file, weights_only=False))
     resumed_metrics = policy.train_step(rows, token_mean_loss)
@@ -85,6 +87,7 @@ def main(model_dir: str, checkpoint_file: str, out_dir: str) -> None:
                 "gradients": gradients,
                 "metrics": metrics,
                 "trained": trained,
+                "pushed": {name: tensor.clone() for name, tensor in pushed.named_tensors()},
                 "resumed_metrics": resumed_metrics,
                 "resumed": resumed,
                 "bf16_metrics": bf16_metrics,

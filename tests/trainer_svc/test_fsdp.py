@@ -141,12 +141,28 @@ def test_two_rank_fsdp_equals_one_process(model_dir, tmp_path):
     # moves a weight by up to a few % of lr (1e-3); a step from equal Adam state stays at 1e-6.
     assert max_difference(ranks["trained"], single_trained) <= 2e-5
     assert max_difference(ranks["resumed"], single_trained) <= 1e-6
+    pushed = ranks["pushed"]  # what rank 0 pushes: the gathered weights, the tied ones once
+    assert max_difference(pushed, {name: ranks["trained"][name] for name in pushed}) == 0
     for two_rank, one_rank in zip([*ranks["metrics"], ranks["resumed_metrics"]],
                                   [*single_metrics, single_metrics[-1]], strict=True):  # fmt: skip
         assert two_rank == pytest.approx(one_rank, abs=1e-5)
     assert all(math.isfinite(value) for value in ranks["bf16_metrics"].values())
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     assert max_difference(exported.state_dict(), ranks["trained"]) == 0
+
+
+def test_full_weights_are_the_live_weights_laid_out_for_a_push(model_dir):
+    trained = policy(model_dir)  # tied embeddings
+    weights = last = None
+    for _ in range(2):
+        trained.train_step(fixed_batch(), token_mean_loss)
+        state = trained.full_state_dict()
+        last, weights = weights, trained.full_weights(bucket_size_bytes=8192, reuse=weights)
+        assert len(weights.buckets) > 1
+        pushed = dict(weights.named_tensors())
+        assert set(state) - set(pushed) == {"lm_head.weight"}  # it is the embedding: sent once
+        assert max_difference(pushed, {name: state[name] for name in pushed}) == 0
+    assert weights.data.data_ptr() == last.data.data_ptr()  # the last push's memory, reused
 
 
 def test_checkpoint_resumes_identically_and_export_loads_with_transformers(model_dir, tmp_path):

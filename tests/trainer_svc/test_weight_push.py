@@ -16,9 +16,11 @@ from turnrl.config import ClientConfig
 from turnrl.errors import FailedPreconditionError, InvalidArgumentError
 from turnrl.messages import dict_to_message
 from turnrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from turnrl.weights import BucketedWeights
 
 DEAD_ADDRESS = "127.0.0.1:1"  # nothing listens; weight pushes call no tool or reward service
 MODES = ["broadcast", "grpc"]
+BUCKET_SIZE_BYTES = 1 << 20
 
 
 @contextlib.asynccontextmanager
@@ -49,6 +51,14 @@ def load(model_dir, noise_seed: int | None = None):
             for parameter in model.parameters():
                 parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.1)
     return model
+
+
+def packed(
+    tensors: dict[str, torch.Tensor],
+    bucket_size_bytes: int = BUCKET_SIZE_BYTES,
+    dtype: torch.dtype | None = None,
+) -> BucketedWeights:
+    return BucketedWeights.pack(tensors.items(), bucket_size_bytes, dtype=dtype)
 
 
 async def sample(stub) -> list[common_pb2.Trajectory]:
@@ -91,9 +101,10 @@ async def assert_resumed(stubs) -> None:
 async def test_push_is_exact_in_fp32(tiny_model_dir, mode):
     original, perturbed = load(tiny_model_dir), load(tiny_model_dir, noise_seed=1)
     async with replicas(tiny_model_dir, 1) as stubs, connected(stubs, mode) as pusher:
-        result = await pusher.push(perturbed.state_dict(), 1, bucket_size_bytes=64 * 1024)
+        result = await pusher.push(packed(perturbed.state_dict(), 64 * 1024), 1)
         assert result.policy_versions == [1] and result.mode == mode
-        assert result.total_bytes == sum(t.nbytes for t in perturbed.state_dict().values())
+        # The tied output layer is the embedding: sent once.
+        assert result.total_bytes == sum(p.nbytes for p in perturbed.parameters())
         assert_sampled_by(await sample(stubs[0]), perturbed, original, policy_version=1)
         await assert_resumed(stubs)
 
@@ -101,8 +112,8 @@ async def test_push_is_exact_in_fp32(tiny_model_dir, mode):
 async def test_a_bf16_push_halves_the_bytes_and_loads_the_rounded_weights(tiny_model_dir):
     original, perturbed = load(tiny_model_dir), load(tiny_model_dir, noise_seed=1)
     async with replicas(tiny_model_dir, 1) as stubs, connected(stubs, "broadcast") as pusher:
-        result = await pusher.push(perturbed.state_dict(), 1, dtype=torch.bfloat16)
-        assert result.total_bytes == sum(t.nbytes for t in perturbed.state_dict().values()) // 2
+        result = await pusher.push(packed(perturbed.state_dict(), dtype=torch.bfloat16), 1)
+        assert result.total_bytes == sum(p.nbytes for p in perturbed.parameters()) // 2
         rounded = load(tiny_model_dir)
         rounded.load_state_dict(
             {k: v.bfloat16().float() for k, v in perturbed.state_dict().items()}
@@ -113,11 +124,11 @@ async def test_a_bf16_push_halves_the_bytes_and_loads_the_rounded_weights(tiny_m
 async def test_two_replicas_receive_one_broadcast_and_the_group_is_reused(tiny_model_dir):
     original, perturbed = load(tiny_model_dir), load(tiny_model_dir, noise_seed=2)
     async with replicas(tiny_model_dir, 2) as stubs, connected(stubs, "broadcast") as pusher:
-        result = await pusher.push(list(perturbed.state_dict().items()), 1)
+        result = await pusher.push(packed(perturbed.state_dict()), 1)
         assert result.policy_versions == [1, 1]
         for stub in stubs:
             assert_sampled_by(await sample(stub), perturbed, original, policy_version=1)
-        result = await pusher.push(original.state_dict(), 2, bucket_size_bytes=1)
+        result = await pusher.push(packed(original.state_dict(), bucket_size_bytes=1), 2)
         assert result.policy_versions == [2, 2] and result.mode == "broadcast"
         for stub in stubs:
             assert_sampled_by(await sample(stub), original, perturbed, policy_version=2)
@@ -127,7 +138,7 @@ async def test_two_replicas_receive_one_broadcast_and_the_group_is_reused(tiny_m
 async def test_a_stale_version_is_refused_before_sending_and_replicas_resume(tiny_model_dir, mode):
     async with replicas(tiny_model_dir, 1) as stubs, connected(stubs, mode) as pusher:
         with pytest.raises(FailedPreconditionError, match="policy_version 0 is not newer than"):
-            await pusher.push(load(tiny_model_dir).state_dict(), 0)
+            await pusher.push(packed(load(tiny_model_dir).state_dict()), 0)
         await assert_resumed(stubs)
 
 
@@ -140,9 +151,9 @@ async def test_a_replica_error_names_the_replica_and_a_later_push_works(tiny_mod
             InvalidArgumentError,
             match="rollout replica 0: INVALID_ARGUMENT: unknown parameter 'nope",
         ):
-            await pusher.push(bad, 1)
+            await pusher.push(packed(bad), 1)
         await assert_resumed(stubs)
-        assert (await pusher.push(model.state_dict(), 1)).policy_versions == [1]
+        assert (await pusher.push(packed(model.state_dict()), 1)).policy_versions == [1]
         assert pusher.mode == mode  # the broadcast ran to its end: the group is still in step
 
 
