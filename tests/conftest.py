@@ -103,6 +103,23 @@ async def run_turnrl(*args: str, env: dict[str, str] | None = None, timeout_seco
     return process.returncode, stdout.decode(), stderr.decode()
 
 
+def children(pid: int) -> list[int]:
+    tasks = Path(f"/proc/{pid}/task").iterdir()
+    return [int(child) for task in tasks for child in (task / "children").read_text().split()]
+
+
+def kill_tree(pid: int) -> None:
+    """kill -9 a process and all its descendants at once, as a crash would (torchrun's ranks
+    and their children too, which a kill of torchrun alone leaves running)."""
+    pids = [pid]
+    for parent in pids:  # grows as children are found
+        with contextlib.suppress(FileNotFoundError):
+            pids += children(parent)
+    for victim in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+
+
 @contextlib.asynccontextmanager
 async def serve_subprocess(
     service: str, *overrides: str, env: dict[str, str] | None = None
@@ -124,7 +141,6 @@ async def serve_subprocess(
         yield ServedProcess(process=process, address=address, metrics_url=metrics_url)
     finally:
         if process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                process.send_signal(signal.SIGKILL)
+            kill_tree(process.pid)
         await (drained if drained is not None else process.communicate())
         await process.wait()

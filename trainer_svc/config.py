@@ -276,6 +276,13 @@ class TrainerConfig(StrictModel):
         default_factory=lambda: ServerConfig(port=DEFAULT_PORTS["trainer"]),
         description="Where and how the trainer service listens.",
     )
+    ranks: int = Field(
+        default=1,
+        ge=1,
+        description="Processes the trainer service runs as, on this machine (torchrun "
+        "--nproc-per-node): the models are sharded across them (FSDP2) and each trains on its "
+        "share of every batch. A run must ask for the number its service runs.",
+    )
     run_name: str = Field(default="calculator", min_length=1, description="Name of the run.")
     mode: Literal["rl", "sft"] = Field(
         default="rl",

@@ -7,10 +7,10 @@ checkpoint; repeat.
               -> train (recompute logprobs [and values], advantages, PPO epochs over the
               critic [with gae] and the policy) -> push -> [eval] -> [checkpoint]
 
-Model compute runs in a worker thread, so the trainer service keeps answering RPCs (GetRun,
-StopRun) during a step. Every stage reports a ProgressEvent through `emit`. `RunLoop` holds what
-this loop shares with the SFT loop (trainer_svc/sft.py): stop and checkpoint requests, the
-report, the end of the run.
+Model compute runs through `Ranks` (trainer_svc/ranks.py), on every rank of the trainer service
+and in a worker thread, so the service keeps answering RPCs (GetRun, StopRun) during a step.
+Every stage reports a ProgressEvent through `emit`. `RunLoop` holds what this loop shares with
+the SFT loop (trainer_svc/sft.py): stop and checkpoint requests, the report, the end of the run.
 """
 
 import abc
@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +26,16 @@ import grpc
 import torch
 from transformers import AutoTokenizer
 
-from trainer_svc.checkpoint import load_latest_checkpoint, save_checkpoint
+from trainer_svc.checkpoint import save_checkpoint
 from trainer_svc.config import TrainerConfig
-from trainer_svc.critic import FsdpCritic
 from trainer_svc.data import EpochSampler, PromptRecord, load_datasets
-from trainer_svc.fsdp import FsdpPolicy
+from trainer_svc.ranks import Ranks, checkpoint_state, gather_weights, restore, save_pretrained
 from trainer_svc.report import REWARD_PLOT, Plot, RunReport
 from trainer_svc.rl_step import (
-    RolloutBatch,
     keep_groups_with_signal,
-    make_loss_fn,
-    make_value_loss_fn,
     mini_batches,
-    prepare_update,
+    rl_models,
+    rl_update,
     rollout_batch,
     rollout_metrics,
     trainable,
@@ -48,7 +45,6 @@ from turnrl import rpc
 from turnrl.errors import ConfigError
 from turnrl.tiny_model import build_tiny_model
 from turnrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, tool_pb2, tool_pb2_grpc
-from turnrl.weights import BucketedWeights
 
 logger = logging.getLogger(__name__)
 MIB = 1024 * 1024
@@ -75,24 +71,32 @@ class CheckpointRequest:
 class RunLoop(abc.ABC):
     """What the loop of every kind of run shares (the RL `Controller` here, and
     trainer_svc.sft.SftController): its step, stop and checkpoint requests, its report, and the
-    end of the run. A subclass's `run` sets `policy`, writes checkpoints with `_checkpoint` and
-    describes the run with `_summary`."""
+    end of the run. A subclass's `run` builds its models with `ranks.build`, writes checkpoints
+    with `_checkpoint` and describes the run with `_summary`."""
 
-    policy: FsdpPolicy
     sampler: EpochSampler
     report: RunReport
 
     def __init__(
-        self, config: TrainerConfig, run_dir: Path, emit: Callable[[ProgressEvent], None]
+        self,
+        config: TrainerConfig,
+        run_dir: Path,
+        emit: Callable[[ProgressEvent], None],
+        ranks: Ranks,
     ) -> None:
         self.config = config
+        self.ranks = ranks
         self.run_dir = run_dir
         self.emit = emit
         self.step = 0
-        self.total_steps = config.steps  # a subclass may count it from its data instead
+        self.total_steps = self._planned_steps()
         self.stop_requested = False
         self.checkpoint_requests: list[CheckpointRequest] = []
         self._checkpointed_step = -1
+
+    def _planned_steps(self) -> int:
+        """The run's length as known before setup (a subclass may count it from its data)."""
+        return self.config.steps
 
     def request_stop(self) -> None:
         self.stop_requested = True
@@ -126,11 +130,10 @@ class RunLoop(abc.ABC):
         return model_path, tokenizer
 
     async def _restore_checkpoint(self) -> dict[str, Any] | None:
-        """Restores the policy, the data position and the step of the run's latest checkpoint;
+        """Restores the models, the data position and the step of the run's latest checkpoint;
         returns the checkpoint's state, or None when there is none."""
-        state = await asyncio.to_thread(load_latest_checkpoint, self.run_dir)
+        state = await self.ranks.run(restore, self.run_dir)
         if state is not None:
-            await asyncio.to_thread(self.policy.load_checkpoint_state, state["policy"])
             self.sampler.position = state["data_position"]
             self.step = self._checkpointed_step = state["step"]
         return state
@@ -179,7 +182,7 @@ class RunLoop(abc.ABC):
         if self._checkpointed_step != self.step:
             await self._checkpoint()
         export = self.run_dir / FINAL_MODEL
-        await asyncio.to_thread(self.policy.save_pretrained, export, model_path)
+        await self.ranks.run(save_pretrained, export, model_path)
         summary = self.report.finish(self._summary(time.monotonic() - started))
         self.emit(ProgressEvent(self.step, "done", message=f"summary {self.run_dir}/summary.json"))
         return summary
@@ -193,35 +196,12 @@ class Controller(RunLoop):
         started = time.monotonic()
         config = self.config
         model_path, _ = await self._model_and_tokenizer()
-        algorithm = config.algorithm
-        updates_per_step = algorithm.ppo_epochs * algorithm.mini_batches
-        # critic_only_steps is 0 unless gae (the config refuses a critic section otherwise).
-        policy_steps = config.steps - config.critic.critic_only_steps
-        optim = config.optim.for_run(policy_steps * updates_per_step)
-        self.policy = await asyncio.to_thread(FsdpPolicy, model_path, optim)
-        self.reference = (
-            await asyncio.to_thread(FsdpPolicy, model_path, optim)
-            if algorithm.kl_coef > 0
-            else None
-        )
-        self.critic = None
-        if algorithm.advantage_estimator == "gae":
-            critic_optim = config.critic.optim.for_run(config.steps * updates_per_step)
-            critic_path = config.critic.model_path or model_path
-            self.critic = await asyncio.to_thread(FsdpCritic, critic_path, critic_optim)
+        await self.ranks.build(rl_models, config, model_path)
         train, self.held_out = load_datasets(config.data, config.seed)
         self.sampler = EpochSampler(train, config.seed, config.data.shuffle)
         self.generator = torch.Generator().manual_seed(config.seed)
         state = await self._restore_checkpoint() if resume else None
         if state is not None:
-            if self.critic is not None:
-                if "critic" not in state:
-                    raise ConfigError(
-                        f"the checkpoint of step {state['step']} in {self.run_dir} holds no "
-                        "critic (its run did not use advantage_estimator gae); resume with the "
-                        "run's own algorithm"
-                    )
-                await asyncio.to_thread(self.critic.load_checkpoint_state, state["critic"])
             self.generator.set_state(state["generator"])
         self._open_report(state is not None, REWARD_PLOT)
         async with (
@@ -239,7 +219,6 @@ class Controller(RunLoop):
                 mode=config.weight_sync.mode,
             )
             self._policy_version = 0  # the last weight version pushed
-            self._push_weights: BucketedWeights | None = None  # its memory serves the next push
             try:
                 await self._push()
                 self.emit(ProgressEvent(self.step, "setup", message=f"model {model_path}"))
@@ -261,7 +240,15 @@ class Controller(RunLoop):
         self.emit(ProgressEvent(self.step, "rollout", metrics))
 
         started = time.monotonic()
-        metrics.update(await asyncio.to_thread(self._update, rollouts))
+        algorithm = self.config.algorithm
+        rows = [
+            mini
+            for _ in range(algorithm.ppo_epochs)
+            for mini in mini_batches(len(trajectories), algorithm.mini_batches, self.generator)
+        ]
+        # The trajectories stay here: the ranks need the tensors only.
+        tensors = replace(rollouts, trajectories=[])
+        metrics.update(await self.ranks.run(rl_update, tensors, self.config, self.step, rows))
         timings["time/train"] = time.monotonic() - started
         tokens = int(rollouts.batch.attention_mask.sum()) * self.config.algorithm.ppo_epochs
         metrics["train/tokens_per_s"] = tokens / timings["time/train"]
@@ -328,44 +315,13 @@ class Controller(RunLoop):
         # reproducible.
         return sorted(trajectories, key=lambda t: t.trajectory_id)
 
-    def _update(self, rollouts: RolloutBatch) -> dict[str, float]:
-        """Recomputes logprobs (and values), computes advantages and runs the PPO epochs, each
-        mini-batch a critic step (with gae) then a policy step (worker thread)."""
-        algorithm = self.config.algorithm
-        metrics = prepare_update(rollouts, self.policy, self.reference, self.critic, algorithm)
-        normalizer = self.config.rollout.max_response_length or rollouts.batch.input_ids.shape[1]
-        loss_fn = make_loss_fn(algorithm, normalizer)
-        value_loss_fn = make_value_loss_fn(algorithm, self.config.critic, normalizer)
-        update_policy = self.step > self.config.critic.critic_only_steps
-        sums: dict[str, float] = {}
-        updates = 0
-        for _ in range(algorithm.ppo_epochs):
-            for rows in mini_batches(
-                rollouts.batch.input_ids.shape[0], algorithm.mini_batches, self.generator
-            ):
-                mini = rollouts.batch.select(rows, rollouts.batch.input_ids.device)
-                results = {}
-                if self.critic is not None:
-                    result = self.critic.train_step(mini, value_loss_fn)
-                    results.update({f"critic/{name}": value for name, value in result.items()})
-                if update_policy:
-                    result = self.policy.train_step(mini, loss_fn, with_entropy=True)
-                    results.update({f"train/{name}": value for name, value in result.items()})
-                for name, value in results.items():
-                    sums[name] = sums.get(name, 0.0) + value
-                updates += 1
-        metrics.update({name: value / updates for name, value in sums.items()})
-        return metrics
-
     async def _push(self) -> None:
         """Sends the policy's weights as the next version the engine has not seen."""
         stats = await self.rollout.GetStats(rollout_pb2.GetStatsRequest(), timeout=30)
         self._policy_version = max(self._policy_version, stats.policy_version) + 1
         bucket_size_bytes = self.config.weight_sync.bucket_size_mb * MIB
-        self._push_weights = await asyncio.to_thread(
-            self.policy.full_weights, bucket_size_bytes, self._push_weights
-        )
-        await self.pusher.push(self._push_weights, self._policy_version)
+        weights = await self.ranks.run(gather_weights, bucket_size_bytes)
+        await self.pusher.push(weights, self._policy_version)
 
     async def _evaluate(self) -> None:
         if not self.held_out:
@@ -386,13 +342,9 @@ class Controller(RunLoop):
         self.emit(ProgressEvent(self.step, "eval", metrics, message))
 
     async def _checkpoint(self) -> None:
-        state = {
-            "policy": await asyncio.to_thread(self.policy.state_dict_for_checkpoint),
-            "data_position": self.sampler.position,
-            "generator": self.generator.get_state(),
-        }
-        if self.critic is not None:
-            state["critic"] = await asyncio.to_thread(self.critic.state_dict_for_checkpoint)
+        state = await self.ranks.run(checkpoint_state)
+        state["data_position"] = self.sampler.position
+        state["generator"] = self.generator.get_state()
         await self._save_checkpoint(state)
 
     async def _tool_schemas(self, tools: tool_pb2_grpc.ToolServiceStub) -> list:

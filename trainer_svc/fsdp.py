@@ -298,8 +298,9 @@ class FsdpModel:
         non-finite gradient norm skips the update.
         """
         self.model.train()
+        # A row without loss tokens (a rank's filler share) is no sequence of the loss.
         token_count, sequence_count = self._sum_over_ranks(
-            [float(batch.loss_mask.sum()), float(batch.input_ids.shape[0])]
+            [float(batch.loss_mask.sum()), float(batch.loss_mask.any(1).sum())]
         )
         batch = replace(
             batch, global_token_count=int(token_count), global_sequence_count=int(sequence_count)

@@ -19,7 +19,7 @@ from trainer_svc.advantages import (
     groups_with_signal,
     sequence_rewards_to_tokens,
 )
-from trainer_svc.config import AlgorithmConfig, CriticConfig
+from trainer_svc.config import AlgorithmConfig, CriticConfig, TrainerConfig
 from trainer_svc.critic import FsdpCritic
 from trainer_svc.fsdp import Batch, FsdpPolicy
 from trainer_svc.losses import (
@@ -31,6 +31,7 @@ from trainer_svc.losses import (
     truncated_importance_weights,
     value_loss,
 )
+from trainer_svc.ranks import Models, share_of
 from turnrl.v1 import common_pb2
 
 
@@ -149,6 +150,57 @@ def prepare_update(
     return metrics
 
 
+def rl_models(config: TrainerConfig, model_path: str) -> Models:
+    """The policy of an RL run, its frozen reference when the loss has a KL term, and its critic
+    with gae; their LR schedules span the run's updates."""
+    algorithm = config.algorithm
+    updates_per_step = algorithm.ppo_epochs * algorithm.mini_batches
+    # critic_only_steps is 0 unless gae (the config refuses a critic section otherwise).
+    policy_steps = config.steps - config.critic.critic_only_steps
+    optim = config.optim.for_run(policy_steps * updates_per_step)
+    models = Models(policy=FsdpPolicy(model_path, optim))
+    if algorithm.kl_coef > 0:
+        models.reference = FsdpPolicy(model_path, optim)
+    if algorithm.advantage_estimator == "gae":
+        critic_optim = config.critic.optim.for_run(config.steps * updates_per_step)
+        models.critic = FsdpCritic(config.critic.model_path or model_path, critic_optim)
+    return models
+
+
+def rl_update(
+    models: Models,
+    rollouts: RolloutBatch,
+    config: TrainerConfig,
+    step: int,
+    mini_batch_rows: list[list[int]],
+) -> dict[str, float]:
+    """One step's update (on every rank): recomputes logprobs (and values) of the whole batch,
+    computes advantages, then trains on each of `mini_batch_rows` in turn (the PPO epochs'
+    mini-batches), a critic step (with gae) then a policy step, each rank on its share of the
+    rows. Returns the step's metrics, equal on every rank."""
+    algorithm = config.algorithm
+    policy, critic = models.policy, models.critic
+    metrics = prepare_update(rollouts, policy, models.reference, critic, algorithm)
+    normalizer = config.rollout.max_response_length or rollouts.batch.input_ids.shape[1]
+    loss_fn = make_loss_fn(algorithm, normalizer)
+    value_loss_fn = make_value_loss_fn(algorithm, config.critic, normalizer)
+    update_policy = step > config.critic.critic_only_steps
+    sums: dict[str, float] = {}
+    for rows in mini_batch_rows:
+        mini = share_of(models, rollouts.batch, rows)
+        results = {}
+        if critic is not None:
+            result = critic.train_step(mini, value_loss_fn)
+            results.update({f"critic/{name}": value for name, value in result.items()})
+        if update_policy:
+            result = policy.train_step(mini, loss_fn, with_entropy=True)
+            results.update({f"train/{name}": value for name, value in result.items()})
+        for name, value in results.items():
+            sums[name] = sums.get(name, 0.0) + value
+    metrics.update({name: value / len(mini_batch_rows) for name, value in sums.items()})
+    return metrics
+
+
 def _critic_fit_metrics(values: Tensor, returns: Tensor, loss_mask: Tensor) -> dict[str, float]:
     """How well the critic's values, before this step's update, predict this step's returns:
     their means over model tokens and the explained variance (left out when the returns do not
@@ -234,8 +286,8 @@ def _global_share(micro: Batch, mode: str) -> float:
     this is its part of the mean over all ranks' batch."""
     if mode == "token-mean":
         return float(micro.loss_mask.sum()) / micro.global_token_count
-    # Every row holds loss tokens (`trainable`), so the seq-mean modes count them all.
-    return micro.input_ids.shape[0] / micro.global_sequence_count
+    # The seq-mean modes count rows with loss tokens: all but a rank's filler (`trainable`).
+    return float(micro.loss_mask.any(1).sum()) / micro.global_sequence_count
 
 
 def mini_batches(size: int, count: int, generator: torch.Generator) -> list[list[int]]:

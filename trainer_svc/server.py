@@ -3,7 +3,11 @@
 Errors are raised as `turnrl.errors` exceptions and mapped to status codes by `turnrl.rpc`.
 """
 
+import asyncio
+import signal
+
 from trainer_svc.config import TrainerConfig
+from trainer_svc.ranks import Ranks
 from trainer_svc.service import TrainerService
 from turnrl import rpc
 from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
@@ -38,8 +42,17 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
 
 async def serve(config: TrainerConfig) -> None:
-    """Serves the trainer service until SIGTERM or SIGINT; a running run stops after its step."""
-    service = TrainerService()
+    """Serves the trainer service until SIGTERM or SIGINT; a running run stops after its step.
+    Under torchrun only rank 0 serves; the other ranks follow its model calls."""
+    ranks = Ranks()
+    if ranks.rank != 0:
+        # Ctrl-C and SIGTERM, which torchrun passes to every rank, are rank 0's to act on: it
+        # finishes its step, whose collectives need this rank too, then ends `follow`.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        await asyncio.to_thread(ranks.follow)
+        return
+    service = TrainerService(ranks)
     try:
         await rpc.serve(
             config.server,
@@ -50,3 +63,4 @@ async def serve(config: TrainerConfig) -> None:
         )
     finally:
         await service.close()
+        await ranks.close()

@@ -14,6 +14,7 @@ import yaml
 
 from trainer_svc.config import TrainerConfig
 from trainer_svc.controller import CheckpointRequest, Controller, ProgressEvent, RunLoop
+from trainer_svc.ranks import Ranks
 from trainer_svc.sft import SftController
 from turnrl.config import validate_config
 from turnrl.errors import (
@@ -66,9 +67,10 @@ class RunRecord:
 
 
 class TrainerService:
-    """The runs of one trainer process; at most one runs at a time."""
+    """The runs of one trainer service; at most one runs at a time, on all of `ranks`."""
 
-    def __init__(self) -> None:
+    def __init__(self, ranks: Ranks) -> None:
+        self._ranks = ranks
         self._runs: dict[str, RunRecord] = {}
 
     async def start_run(self, config_yaml: str, run_name: str, resume: bool) -> RunRecord:
@@ -77,6 +79,11 @@ class TrainerService:
         running = [r.name for r in self._runs.values() if r.state not in ENDED]
         if running:
             raise FailedPreconditionError(f"run {running[0]!r} is still running; stop it first")
+        if config.ranks != self._ranks.world_size:
+            raise FailedPreconditionError(
+                f"the run asks for trainer.ranks={config.ranks}; this trainer service runs "
+                f"{self._ranks.world_size} (start it with trainer.ranks={config.ranks})"
+            )
         output_dir = (config.output_dir / name).resolve()
         if output_dir.exists() and any(output_dir.iterdir()) and not resume:
             raise AlreadyExistsError(
@@ -86,7 +93,9 @@ class TrainerService:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(config_yaml)
         record = RunRecord(name, output_dir)
-        record.controller = LOOPS[config.mode](config, output_dir, partial(self._on_event, record))
+        record.controller = LOOPS[config.mode](
+            config, output_dir, partial(self._on_event, record), self._ranks
+        )
         self._runs[name] = record
         record.task = asyncio.create_task(self._run(record, resume))
         return record

@@ -11,24 +11,24 @@ tool or reward service, no weight push.
               -> [checkpoint]
 
 Micro-batching, the LR schedule and gradient clipping are `FsdpPolicy.train_step`'s, as in RL;
-stop and checkpoint requests, the report and the end of the run are `RunLoop`'s.
+stop and checkpoint requests, the report and the end of the run are `RunLoop`'s. On several
+ranks each trains on its share of a step's conversations (`sft_step` runs on every rank).
 """
 
 import asyncio
 import math
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jinja2
 import torch
 from torch import Tensor
 
-from trainer_svc.config import TrainerConfig
+from trainer_svc.config import TrainSettings
 from trainer_svc.controller import FINAL_MODEL, ProgressEvent, RunLoop
 from trainer_svc.data import ConversationRecord, EpochSampler, load_conversations
 from trainer_svc.fsdp import Batch, FsdpPolicy
+from trainer_svc.ranks import Models, checkpoint_state, share_of
 from trainer_svc.report import LOSS_PLOT
 from turnrl.chat_tokens import conversation_ids_and_loss_mask
 from turnrl.errors import ConfigError, TurnrlError
@@ -77,13 +77,29 @@ def examples_batch(examples: list[Example], pad_token_id: int) -> Batch:
     )
 
 
+def sft_models(model_path: str, optim: TrainSettings) -> Models:
+    """An SFT run's one model, the policy."""
+    return Models(policy=FsdpPolicy(model_path, optim))
+
+
+def sft_step(models: Models, batch: Batch) -> dict[str, float]:
+    """One optimizer step on the conversations of `batch`, this rank on its share (every rank)."""
+    rows = list(range(batch.input_ids.shape[0]))
+    return models.policy.train_step(share_of(models, batch, rows), sft_loss)
+
+
+def held_out_loss(models: Models, batch: Batch) -> float:
+    """Cross-entropy per loss token over the conversations of `batch` (every rank)."""
+    logprobs, _ = models.policy.logprobs(batch)
+    return float(-logprobs[batch.loss_mask].sum() / batch.loss_mask.sum())
+
+
 class SftController(RunLoop):
     """Runs one SFT run to its end, or until `request_stop`."""
 
-    def __init__(self, config: TrainerConfig, run_dir: Path, emit: Callable[[ProgressEvent], None]):
-        super().__init__(config, run_dir, emit)
-        if config.sft.epochs is not None:
-            self.total_steps = 0  # counted from the data at setup
+    def _planned_steps(self) -> int:
+        # With sft.epochs, counted from the data at setup.
+        return 0 if self.config.sft.epochs is not None else self.config.steps
 
     async def run(self, resume: bool) -> dict[str, Any]:
         started = time.monotonic()
@@ -102,7 +118,7 @@ class SftController(RunLoop):
             per_epoch = len(self.train_examples) / config.sft.conversations_per_step
             self.total_steps = math.ceil(config.sft.epochs * per_epoch)
         optim = config.optim.for_run(self.total_steps)
-        self.policy = await asyncio.to_thread(FsdpPolicy, model_path, optim)
+        await self.ranks.build(sft_models, model_path, optim)
         resumed = resume and await self._restore_checkpoint() is not None
         self._open_report(resumed, LOSS_PLOT)
         tokens = sum(len(ids) for ids, _ in self.train_examples)
@@ -120,7 +136,7 @@ class SftController(RunLoop):
         examples = self.sampler.next_batch(self.config.sft.conversations_per_step)
         batch = examples_batch(examples, self.pad_token_id)
         started = time.monotonic()
-        result = await asyncio.to_thread(self.policy.train_step, batch, sft_loss)
+        result = await self.ranks.run(sft_step, batch)
         seconds = time.monotonic() - started
         metrics = {
             "train/loss": result["loss"],
@@ -139,7 +155,8 @@ class SftController(RunLoop):
         if not self.held_out_examples:
             return
         started = time.monotonic()
-        loss = await asyncio.to_thread(self._held_out_loss)
+        batch = examples_batch(self.held_out_examples, self.pad_token_id)
+        loss = await self.ranks.run(held_out_loss, batch)
         metrics = {
             "eval/loss": loss,
             "eval/step": float(self.step),
@@ -149,15 +166,9 @@ class SftController(RunLoop):
         message = f"held-out loss {loss:.4f} on {len(self.held_out_examples)} conversations"
         self.emit(ProgressEvent(self.step, "eval", metrics, message))
 
-    def _held_out_loss(self) -> float:
-        """Cross-entropy per loss token over all held-out conversations (worker thread)."""
-        batch = examples_batch(self.held_out_examples, self.pad_token_id)
-        logprobs, _ = self.policy.logprobs(batch)
-        return float(-logprobs[batch.loss_mask].sum() / batch.loss_mask.sum())
-
     async def _checkpoint(self) -> None:
-        state = await asyncio.to_thread(self.policy.state_dict_for_checkpoint)
-        await self._save_checkpoint({"policy": state, "data_position": self.sampler.position})
+        state = await self.ranks.run(checkpoint_state)
+        await self._save_checkpoint({**state, "data_position": self.sampler.position})
 
     def _summary(self, wall_seconds: float) -> dict[str, Any]:
         report = self.report

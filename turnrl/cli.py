@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import importlib
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or (overrides and not getattr(args, "accepts_overrides", False)):
         parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
     args.overrides = overrides
+    args.argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(
         level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -150,6 +152,13 @@ def _serve(args: argparse.Namespace) -> int:
     if args.port is not None:
         overrides.append(f"{args.service}.server.port={args.port}")
     project, _ = launcher.load_with_tiny_model(args.config, overrides, [args.service])
+    ranks = project.trainer.ranks
+    if args.service == "trainer" and ranks > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        # Becomes torchrun, which starts this command once per rank (the tiny model is built).
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        os.execv(
+            sys.executable, [*torchrun, f"--nproc-per-node={ranks}", "-m", "turnrl", *args.argv]
+        )
     try:
         server = importlib.import_module(SERVER_MODULES[args.service])
         asyncio.run(server.serve(getattr(project, args.service)))

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trainer_svc.config import TrainerConfig, TrainSettings
 from trainer_svc.data import ConversationRecord
 from trainer_svc.fsdp import FsdpPolicy
+from trainer_svc.ranks import Ranks
 from trainer_svc.server import TrainerServicer
 from trainer_svc.service import TrainerService
 from trainer_svc.sft import SftController, examples_batch, sft_loss, tokenize_conversations
@@ -79,7 +80,7 @@ def test_conversations_that_do_not_fit_are_named(tiny_model_dir):
 @contextlib.asynccontextmanager
 async def trainer_stub():
     """A real TrainerService server in this event loop, and a stub on a channel to it."""
-    service = TrainerService()
+    service = TrainerService(Ranks())
     descriptor = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"]
 
     def add_servicer(server):
@@ -182,16 +183,16 @@ async def test_a_stopped_sft_run_resumes_where_it_stopped(tiny_model_dir, tmp_pa
     )
     for name in ("whole", "stopped"):
         (tmp_path / name).mkdir()  # as StartRun makes it
-    whole = SftController(config, tmp_path / "whole", lambda event: None)
+    whole = SftController(config, tmp_path / "whole", lambda event: None, Ranks())
     await whole.run(resume=False)
 
     def stop_after_step_2(event):
         if event.stage == "train" and event.step == 2:
             stopped.request_stop()
 
-    stopped = SftController(config, tmp_path / "stopped", stop_after_step_2)
+    stopped = SftController(config, tmp_path / "stopped", stop_after_step_2, Ranks())
     assert (await stopped.run(resume=False))["steps"] == 2  # and a checkpoint of step 2
-    resumed = SftController(config, tmp_path / "stopped", lambda event: None)
+    resumed = SftController(config, tmp_path / "stopped", lambda event: None, Ranks())
     assert (await resumed.run(resume=True))["steps"] == 4
 
     def losses(run_dir: Path) -> list[float]:
@@ -199,8 +200,8 @@ async def test_a_stopped_sft_run_resumes_where_it_stopped(tiny_model_dir, tmp_pa
         return [record["train/loss"] for record in map(json.loads, lines) if "train/loss" in record]
 
     assert losses(tmp_path / "stopped") == pytest.approx(losses(tmp_path / "whole"), rel=1e-5)
-    for name, tensor in whole.policy.full_state_dict().items():
-        torch.testing.assert_close(resumed.policy.full_state_dict()[name], tensor)
+    for name, tensor in whole.ranks.models.policy.full_state_dict().items():
+        torch.testing.assert_close(resumed.ranks.models.policy.full_state_dict()[name], tensor)
 
 
 async def test_turnrl_run_trains_the_example_in_the_trainer_service_alone(tiny_model_dir, tmp_path):

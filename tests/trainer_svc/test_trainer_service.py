@@ -5,7 +5,6 @@ kill -9 and resumed."""
 import asyncio
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -26,6 +25,8 @@ from ..conftest import (
     FREE_PORTS,
     SERVICE_NAMES,
     UP_TABLE_ROW,
+    children,
+    kill_tree,
     run_turnrl,
     serve_subprocess,
     spawn_turnrl,
@@ -241,14 +242,84 @@ async def test_an_existing_run_is_not_overwritten(services, tmp_path):
     assert "--resume" in info.value.details()
 
 
-def kill_tree(pid: int) -> None:
-    """kill -9 a process and all its descendants at once, as a crash would."""
-    pids = [pid]
-    for parent in pids:  # grows as children are found
-        for task in Path(f"/proc/{parent}/task").iterdir():
-            pids += [int(p) for p in (task / "children").read_text().split()]
-    for victim in pids:
-        os.kill(victim, signal.SIGKILL)
+async def run_to_end(address: str, config: str, name: str) -> list:
+    """Runs `name` on the trainer service at `address` to its successful end; its events."""
+    async with rpc.open_channel(ClientConfig(address=address)) as channel:
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+        await stub.StartRun(trainer_pb2.StartRunRequest(config_yaml=config), timeout=60)
+        events = await follow(stub, name)
+        run = (await stub.GetRun(trainer_pb2.GetRunRequest(run_name=name), timeout=10)).run
+    assert run.state == State.STATE_SUCCEEDED, run.error_message
+    return events
+
+
+async def test_a_two_rank_trainer_service_trains_as_one_rank_does(
+    services, tiny_model_dir, tmp_path
+):
+    # `turnrl serve trainer` with trainer.ranks=2 becomes torchrun with two ranks: rank 0 serves
+    # and drives, rank 1 follows its model calls. Same run, same rollouts: the same step; and
+    # the same for an SFT step.
+    served = serve_subprocess("trainer", "trainer.ranks=2", f"trainer.model_path={tiny_model_dir}")
+    sft = {"mode": "sft", "sft": {"conversations_per_step": 8, "max_length": 1024}}
+    async with served as two_ranks:
+        trained = {}
+        for name, address, ranks, mode in (
+            ("one", services["trainer"], 1, {}),
+            ("two", two_ranks.address, 2, {}),
+            ("sft-one", services["trainer"], 1, sft),
+            ("sft-two", two_ranks.address, 2, sft),
+        ):
+            config = run_config(
+                services,
+                tmp_path,
+                run_name=name,
+                steps=1,
+                eval_every=0,
+                ranks=ranks,
+                wandb_mode="disabled",  # its service process would outlive the ranks a while
+                **mode,
+            )
+            events = await run_to_end(address, config, name)
+            train = next(e for e in events if e.stage == "train").metrics
+            trained[name] = (
+                train,
+                AutoModelForCausalLM.from_pretrained(tmp_path / name / "final_model"),
+            )
+        async with rpc.open_channel(ClientConfig(address=two_ranks.address)) as channel:
+            stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+            config = run_config(services, tmp_path, run_name="mismatch", ranks=1)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.StartRun(trainer_pb2.StartRunRequest(config_yaml=config), timeout=30)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "this trainer service runs 2" in info.value.details()
+        ranks = children(two_ranks.process.pid)
+        assert len(ranks) == 2
+        # torchrun passes SIGTERM on; rank 0 stops serving and ends rank 1's loop. (torchrun
+        # itself then exits with 1, as it does on any signal.)
+        two_ranks.process.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(two_ranks.process.wait(), timeout=60)
+        assert not alive(ranks)
+
+    assert trained["one"][0]["rollout/reward_mean"] == trained["two"][0]["rollout/reward_mean"]
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    for run, metrics in (("", ["mismatch/mean_abs_diff"]), ("sft-", [])):
+        (one_metrics, one_model), (two_metrics, two_model) = (
+            trained[f"{run}one"],
+            trained[f"{run}two"],
+        )
+        for metric in ("train/loss", "train/grad_norm", *metrics):
+            assert two_metrics[metric] == pytest.approx(one_metrics[metric], abs=1e-5), metric
+        one_state, two_state = one_model.state_dict(), two_model.state_dict()
+        moved = max(float((t - initial[n]).abs().max()) for n, t in one_state.items())
+        # Adam's first step moves weights by about lr (1e-3) times the gradient's sign, so where
+        # a gradient is near zero, float noise between one rank and two moves a weight by a few
+        # % of lr.
+        apart = max(float((t - two_state[n]).abs().max()) for n, t in one_state.items())
+        assert moved > 5e-4 and apart <= 1e-4, (run, moved, apart)
+
+
+def alive(pids: list[int]) -> list[int]:
+    return [pid for pid in pids if Path(f"/proc/{pid}").exists()]
 
 
 def step_record(run_dir: Path, step: int) -> dict:
