@@ -4,6 +4,13 @@ This package is what the services share: generated stubs (`turnrl.v1`), config (
 `project_config`), domain errors (`errors`), gRPC plumbing (`rpc`) and the `turnrl` CLI.
 """
 
+import os
 from importlib.metadata import version
+
+# gRPC's fork handlers restart its poller in a forked child, which crashes (epoll EBADF) a child
+# that closes its file descriptors before exec: how `turnrl up` starts a service while its own
+# channels are busy (grpc/grpc#43055, from grpcio 1.80). No turnrl child uses gRPC without exec,
+# so the handlers have nothing to do here. Read by gRPC at its first channel or server.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 __version__ = version("turnrl")
