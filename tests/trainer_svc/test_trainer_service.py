@@ -258,9 +258,13 @@ async def test_a_two_rank_trainer_service_trains_as_one_rank_does(
 ):
     # `turnrl serve trainer` with trainer.ranks=2 becomes torchrun with two ranks: rank 0 serves
     # and drives, rank 1 follows its model calls. Same run, same rollouts: the same step; and
-    # the same for an SFT step.
+    # the same for an SFT step and for a PPO step with its critic.
     served = serve_subprocess("trainer", "trainer.ranks=2", f"trainer.model_path={tiny_model_dir}")
     sft = {"mode": "sft", "sft": {"conversations_per_step": 8, "max_length": 1024}}
+    gae = {
+        "algorithm": {"advantage_estimator": "gae", "gae_lambda": 0.95},
+        "critic": {"optim": {"learning_rate": 0.001}},
+    }
     async with served as two_ranks:
         trained = {}
         for name, address, ranks, mode in (
@@ -268,6 +272,8 @@ async def test_a_two_rank_trainer_service_trains_as_one_rank_does(
             ("two", two_ranks.address, 2, {}),
             ("sft-one", services["trainer"], 1, sft),
             ("sft-two", two_ranks.address, 2, sft),
+            ("gae-one", services["trainer"], 1, gae),
+            ("gae-two", two_ranks.address, 2, gae),
         ):
             config = run_config(
                 services,
@@ -302,7 +308,8 @@ async def test_a_two_rank_trainer_service_trains_as_one_rank_does(
 
     assert trained["one"][0]["rollout/reward_mean"] == trained["two"][0]["rollout/reward_mean"]
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    for run, metrics in (("", ["mismatch/mean_abs_diff"]), ("sft-", [])):
+    critic = ["critic/loss", "critic/grad_norm", "critic/value_mean"]
+    for run, metrics in (("", ["mismatch/mean_abs_diff"]), ("sft-", []), ("gae-", critic)):
         (one_metrics, one_model), (two_metrics, two_model) = (
             trained[f"{run}one"],
             trained[f"{run}two"],
