@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup demo test lint format protos lock clean
+.PHONY: setup demo test test-compose lint format protos lock clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# docker-compose.yml for real: a Docker engine (installed and started when missing; needs root),
+# the image, the four services, a few training steps through them from this host.
+test-compose: $(STAMP)
+	bash tests/compose/compose_stack.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

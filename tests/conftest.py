@@ -14,8 +14,9 @@ import grpc
 import pytest
 from google.protobuf.descriptor import ServiceDescriptor
 
+from tests.fixture_files import FixturesUnavailableError, resolve_fixtures
 from turnrl import rpc
-from turnrl.config import REPO_ROOT, ServerConfig, fixtures_dir
+from turnrl.config import REPO_ROOT, ServerConfig
 from turnrl.project_config import SERVICE_NAMES
 from turnrl.tiny_model import build_tiny_model
 
@@ -33,23 +34,26 @@ STARTUP_TIMEOUT_SECONDS = 60.0
 
 @pytest.fixture(scope="session")
 def fixtures() -> Path:
-    """The shared test fixtures folder ($TURNRL_FIXTURES or ../shared/fixtures)."""
-    path = fixtures_dir()
-    assert path.is_dir(), f"test fixtures not found at {path}; set TURNRL_FIXTURES"
-    return path
+    """The test fixtures folder: $TURNRL_FIXTURES (CI's ../shared/fixtures) when it exists, or
+    else the files the Hugging Face Hub holds, downloaded at pinned revisions into the turnrl
+    cache (tests/fixture_files.py)."""
+    try:
+        return resolve_fixtures()
+    except FixturesUnavailableError as error:
+        pytest.fail(str(error), pytrace=False)
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    """The tiny Qwen3 calculator model (`turnrl.tiny_model`), built on first use into the turnrl
-    cache ($TURNRL_CACHE or ~/.cache/turnrl; about two minutes on two cores) and reused after."""
+    """The tests' tiny Qwen3 calculator model (`turnrl.tiny_model`'s default settings), which
+    ships in turnrl/tiny_models/."""
     return build_tiny_model()
 
 
 @pytest.fixture(scope="session")
 def example_on_tiny_model(tiny_model_dir) -> list[str]:
     """Overrides that run the example config on the tests' tiny model instead of the demo's
-    own (a bigger build, minutes more on two cores)."""
+    own (twice as deep, so slower to run)."""
     return [f"rollout.model_path={tiny_model_dir}", f"trainer.model_path={tiny_model_dir}"]
 
 

@@ -165,3 +165,19 @@ def test_dockerfile_entrypoint_is_turnrl() -> None:
         args for instruction, args in load_files().dockerfile if instruction == "ENTRYPOINT"
     ]
     assert entrypoints[-1:] == ['["turnrl"]'], f'ENTRYPOINT is {entrypoints}, want ["turnrl"]'
+
+
+def test_rollout_calls_tool_and_reward_by_service_name() -> None:
+    project = load_files().project
+    overrides = dict(word.split("=", 1) for word in _service("rollout")["command"] if "=" in word)
+    assert overrides == {
+        "rollout.tool_service.address": f"tool:{project.tool.server.port}",
+        "rollout.reward_service.address": f"reward:{project.reward.server.port}",
+    }
+
+
+def test_trainer_writes_runs_to_a_host_folder() -> None:
+    output_dir = IMAGE_ROOT / load_files().project.trainer.output_dir
+    mounts = [str(volume).rsplit(":", 1) for volume in _service("trainer")["volumes"]]
+    assert [target for _, target in mounts] == [str(output_dir)]
+    assert _service("trainer")["user"] == "${TURNRL_UID:-10001}:${TURNRL_GID:-10001}"

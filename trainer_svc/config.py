@@ -296,8 +296,9 @@ class TrainerConfig(StrictModel):
     model_path: str | None = Field(
         default=None,
         description="The initial policy, a Hugging Face folder; None: the tiny calculator model "
-        "(the config's `tiny_model`, built by `turnrl serve`, `up` and `run`). Must be the "
-        "model the rollout service serves.",
+        "of the config's `tiny_model` (`turnrl serve`, `up` and `run` resolve it), and in a "
+        "run submitted to a trainer service, the model that service was started with. Must be "
+        "the model the rollout service serves.",
     )
     steps: int = Field(
         default=20, gt=0, description="Training steps of the run (SFT: unless sft.epochs is set)."

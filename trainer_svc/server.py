@@ -52,7 +52,7 @@ async def serve(config: TrainerConfig) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         await asyncio.to_thread(ranks.follow)
         return
-    service = TrainerService(ranks)
+    service = TrainerService(ranks, config.model_path)
     try:
         await rpc.serve(
             config.server,

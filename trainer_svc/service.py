@@ -67,14 +67,22 @@ class RunRecord:
 
 
 class TrainerService:
-    """The runs of one trainer service; at most one runs at a time, on all of `ranks`."""
+    """The runs of one trainer service; at most one runs at a time, on all of `ranks`.
 
-    def __init__(self, ranks: Ranks) -> None:
+    `model_path` is the model this service was started with (`turnrl serve trainer` sets it to
+    the config's tiny model when the file leaves it null): a run whose `trainer.model_path` is
+    null trains it, so that a client that cannot see this service's files (a trainer in a
+    container) still trains the model the rollout service beside it serves."""
+
+    def __init__(self, ranks: Ranks, model_path: str | None = None) -> None:
         self._ranks = ranks
+        self._model_path = model_path
         self._runs: dict[str, RunRecord] = {}
 
     async def start_run(self, config_yaml: str, run_name: str, resume: bool) -> RunRecord:
         config = _trainer_config(config_yaml)
+        if config.model_path is None:
+            config = config.model_copy(update={"model_path": self._model_path})
         name = run_name or config.run_name
         running = [r.name for r in self._runs.values() if r.state not in ENDED]
         if running:

@@ -4,7 +4,7 @@ Tests and the CPU demo need a real transformers model that writes tool calls, an
 be downloaded. `build_tiny_model` makes one from scratch in a few minutes on a CPU:
 
 1. a byte-level BPE tokenizer trained on rendered calculator conversations, with Qwen2.5's chat
-   tokens and its chat template (`qwen2.5-instruct.jinja` from the fixtures);
+   tokens and turnrl's own ChatML template (`turnrl/chat_template.jinja`);
 2. a randomly initialised Qwen3 model of about 0.4M parameters (2 layers, width 128);
 3. supervised fine-tuning on those conversations, with the loss on the assistant's tokens only
    (`turnrl.chat_tokens.conversation_ids_and_loss_mask`, as in the trainer's SFT mode), so that
@@ -14,6 +14,14 @@ be downloaded. `build_tiny_model` makes one from scratch in a few minutes on a C
 The result is saved with `save_pretrained` into a folder named by a hash of the settings, the
 template and FORMAT_VERSION; the folder appears by an atomic rename, so a folder that exists is
 complete and later calls return it at once.
+
+A build is not reproducible: two containers of one image built tokenizers of 667 and 668
+tokens from the same settings, and float rounding differs between CPUs, and the demo's outcome
+depends on the model it starts from (a build on another machine plateaued at 0.69-0.75
+held-out accuracy). So the models of the default settings (the tests') and of
+`examples/calculator/config.yaml` (the demo's) ship with the package, in `SHIPPED_MODELS_DIR`
+under the folder names a build would get: every machine and every service of a run loads the
+same bytes, and nothing is built. `scripts/ship_tiny_models.py` rebuilds them.
 """
 
 import hashlib
@@ -35,15 +43,17 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from turnrl.calculator_data import TOOLS, generate_problems
 from turnrl.chat_tokens import conversation_ids_and_loss_mask
-from turnrl.config import cache_dir, fixtures_dir
+from turnrl.config import cache_dir
 from turnrl.tiny_model_settings import TinyModelSettings
 
 logger = logging.getLogger(__name__)
 
 # Bump when the build's code changes: settings, seed, template and training data are in the
 # cache key already. Folders of other versions are ignored.
-FORMAT_VERSION = 2
-CHAT_TEMPLATE_FILE = "chat_templates/qwen2.5-instruct.jinja"
+FORMAT_VERSION = 3
+CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
+# Built models shipped with the package, in folders named as the cache names them.
+SHIPPED_MODELS_DIR = Path(__file__).with_name("tiny_models")
 # Qwen2.5's chat tokens: the special ones, then the tool-call markers it has as plain added tokens.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -60,20 +70,23 @@ PRE_TOKENIZE_PATTERN = (
 def build_tiny_model(
     models_dir: Path | None = None, seed: int = 0, settings: TinyModelSettings | None = None
 ) -> Path:
-    """The folder of the tiny calculator model for `seed` and `settings`, built on first use.
+    """The folder of the tiny calculator model for `seed` and `settings`: the one shipped in
+    `SHIPPED_MODELS_DIR`, or else one built on first use into `models_dir` (default
+    `turnrl.config.cache_dir()`/tiny_models).
 
     The folder loads with `AutoModelForCausalLM.from_pretrained` and
-    `AutoTokenizer.from_pretrained`. `models_dir` defaults to `turnrl.config.cache_dir()`/tiny_models.
-    A build blocks for about two minutes of CPU (call it from a worker thread in async code);
-    a cached folder returns at once. Raises FileNotFoundError when the fixtures' chat template
-    is missing; a failed build leaves no folder behind.
+    `AutoTokenizer.from_pretrained`. A build blocks for about two minutes of CPU (call it from a
+    worker thread in async code); a shipped or cached folder returns at once. A failed build
+    leaves no folder behind.
     """
     settings = settings or TinyModelSettings()
     models_dir = models_dir or cache_dir() / "tiny_models"
-    chat_template = (fixtures_dir() / CHAT_TEMPLATE_FILE).read_text()
+    chat_template = CHAT_TEMPLATE.read_text()
     conversations = training_conversations(settings, seed)
-    key = _cache_key(settings, seed, chat_template, conversations)
-    target = models_dir / f"qwen3-calculator-{key}"
+    name = f"qwen3-calculator-{_cache_key(settings, seed, chat_template, conversations)}"
+    if (SHIPPED_MODELS_DIR / name).is_dir():
+        return SHIPPED_MODELS_DIR / name
+    target = models_dir / name
     if target.is_dir():
         logger.info("tiny model: reusing %s", target)
         return target

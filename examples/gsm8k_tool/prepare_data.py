@@ -14,7 +14,9 @@ examples/data_preprocess/gsm8k_multiturn_w_tool.py:
 verl's example offers one tool, `calc_gsm8k_reward` (turnrl's `gsm8k_answer`), which checks a
 submitted answer; this one offers the `calculator` as well.
 
-    python examples/gsm8k_tool/prepare_data.py [--gsm8k-dir DIR] [--output-dir DIR]
+    python examples/gsm8k_tool/prepare_data.py --gsm8k-dir DIR [--output-dir DIR]
+
+DIR holds the two files of the release (grade_school_math/data/ in that repository).
 """
 
 import argparse
@@ -26,7 +28,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from turnrl.config import REPO_ROOT, fixtures_dir
+from turnrl.config import REPO_ROOT
 
 DATA_SOURCE = "openai/gsm8k"
 SPLITS = ("train", "test")
@@ -91,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gsm8k-dir",
         type=Path,
-        default=fixtures_dir() / "gsm8k",
-        help="folder with GSM8K's train.jsonl and test.jsonl (default: %(default)s)",
+        required=True,
+        help="folder with GSM8K's train.jsonl and test.jsonl",
     )
     parser.add_argument(
         "--output-dir",

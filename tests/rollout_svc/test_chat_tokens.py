@@ -48,8 +48,8 @@ import jinja2
 import pytest
 from transformers import AutoTokenizer
 
+from tests.fixture_files import resolve_fixtures
 from turnrl.chat_tokens import ConversationTokens
-from turnrl.config import fixtures_dir
 from turnrl.errors import FailedPreconditionError, InvalidArgumentError
 
 TOKENIZERS = ("qwen2.5", "qwen3")
@@ -272,14 +272,14 @@ def conversation(
 @cache
 def tokenizer_for(tokenizer_name: str, control_tokens: tuple[str, ...]):
     """A fixture tokenizer with a template family's turn markers added as special tokens."""
-    tokenizer = AutoTokenizer.from_pretrained(fixtures_dir() / "tokenizers" / tokenizer_name)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_fixtures() / "tokenizers" / tokenizer_name)
     tokenizer.add_tokens(list(control_tokens), special_tokens=True)
     return tokenizer
 
 
 @cache
 def template_text(name: str) -> str:
-    return (fixtures_dir() / "chat_templates" / f"{name}.jinja").read_text()
+    return (resolve_fixtures() / "chat_templates" / f"{name}.jinja").read_text()
 
 
 class Renderer:

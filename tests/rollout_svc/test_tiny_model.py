@@ -1,6 +1,7 @@
-"""The tiny calculator model: it loads with the Auto classes, its tokenizer speaks Qwen2.5's chat
-format, it calls the calculator and copies the tool's result into its answer, and it is built
-once per cache folder. Also the calculator data it learns from."""
+"""The tiny calculator model: it loads with the Auto classes, its tokenizer speaks turnrl's ChatML
+template, it calls the calculator and copies the tool's result into its answer, the tests' and
+the demo's ship with the package, and any other is built once per cache folder. Also the
+calculator data it learns from."""
 
 import json
 import re
@@ -22,9 +23,18 @@ from turnrl.calculator_data import (
 )
 from turnrl.chat_tokens import conversation_ids_and_loss_mask
 from turnrl.launcher import load_with_tiny_model
-from turnrl.tiny_model import SPECIAL_TOKENS, TOOL_TOKENS, build_tiny_model, training_conversations
+from turnrl.project_config import load_project_config
+from turnrl.tiny_model import (
+    CHAT_TEMPLATE,
+    SHIPPED_MODELS_DIR,
+    SPECIAL_TOKENS,
+    TOOL_TOKENS,
+    build_tiny_model,
+    training_conversations,
+)
 from turnrl.tiny_model_settings import TinyModelSettings
 
+from ..conftest import EXAMPLE_CONFIG
 from ..turnrl.test_conversation_loss_mask import masked_runs
 
 HELD_OUT_QUESTIONS = 20
@@ -141,9 +151,8 @@ def test_chat_tokens_are_single_ids(tokenizer):
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
 
 
-def test_chat_template_is_qwen25_and_renders_tools(tokenizer, fixtures):
-    template = (fixtures / "chat_templates" / "qwen2.5-instruct.jinja").read_text()
-    assert tokenizer.chat_template == template
+def test_chat_template_is_turnrls_and_renders_tools(tokenizer):
+    assert tokenizer.chat_template == CHAT_TEMPLATE.read_text()
     problem = generate_problems(1, seed=0)[0]
     text = tokenizer.apply_chat_template(problem.messages, tools=TOOLS, tokenize=False)
     assert json.dumps(CALCULATOR_TOOL) in text
@@ -151,7 +160,7 @@ def test_chat_template_is_qwen25_and_renders_tools(tokenizer, fixtures):
     call = f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}\n</tool_call>'
     assert f"<|im_start|>assistant\n{call}<|im_end|>" in text
     result = problem.messages[3]["content"]
-    assert f"<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>" in text
+    assert f"<|im_start|>tool\n<tool_response>\n{result}\n</tool_response><|im_end|>" in text
     assert text.endswith(f"<|im_start|>assistant\n#### {problem.answer}<|im_end|>\n")
     ids = tokenizer.apply_chat_template(problem.prompt_messages, tools=TOOLS, return_dict=True)[
         "input_ids"
@@ -197,21 +206,32 @@ def test_final_answers_copy_the_last_tool_result(episodes):
     assert rate >= MIN_ANSWER_COPY_RATE, [(e.turns, e.tool_results) for e in episodes]
 
 
-def test_second_build_reuses_the_cached_folder(tiny_model_dir):
-    weights = tiny_model_dir / "model.safetensors"
+def test_the_tests_and_the_demos_models_ship_and_nothing_else(tmp_path):
+    """Both resolve to the shipped folders without building (scripts/ship_tiny_models.py makes
+    them anew when what a build reads changes), and no stale folder ships beside them."""
+    demo_settings = load_project_config(EXAMPLE_CONFIG).tiny_model
+    folders = {
+        build_tiny_model(tmp_path, settings=settings)
+        for settings in (TinyModelSettings(), demo_settings)
+    }
+    assert {folder.parent for folder in folders} == {SHIPPED_MODELS_DIR}
+    assert set(SHIPPED_MODELS_DIR.iterdir()) == folders
+    assert not any(tmp_path.iterdir())  # nothing was built
+
+
+def test_other_settings_are_built_once_into_the_cache(tmp_path):
+    settings = TinyModelSettings(
+        hidden_size=32, num_hidden_layers=1, intermediate_size=64, train_problems=40, train_steps=3
+    )
+    folder = build_tiny_model(tmp_path, settings=settings)
+    assert folder.parent == tmp_path
+    assert AutoModelForCausalLM.from_pretrained(folder).config.num_hidden_layers == 1
+    weights = folder / "model.safetensors"
     modified_ns = weights.stat().st_mtime_ns
-    assert build_tiny_model() == tiny_model_dir
+    assert build_tiny_model(tmp_path, settings=settings) == folder
     assert weights.stat().st_mtime_ns == modified_ns
     # The atomic build leaves no temporary folder behind.
-    building = f".{tiny_model_dir.name}-"
-    assert not [path for path in tiny_model_dir.parent.iterdir() if path.name.startswith(building)]
-
-
-def test_missing_chat_template_fails_before_building(tmp_path, monkeypatch):
-    monkeypatch.setenv("TURNRL_FIXTURES", str(tmp_path / "no-fixtures"))
-    with pytest.raises(FileNotFoundError, match=re.escape("qwen2.5-instruct.jinja")):
-        build_tiny_model(tmp_path / "cache")
-    assert not (tmp_path / "cache").exists()
+    assert [path.name for path in tmp_path.iterdir()] == [folder.name]
 
 
 def test_problems_are_deterministic_per_seed():

@@ -23,9 +23,11 @@ from turnrl import rpc
 from turnrl.calculator_data import TOOLS, ProblemSettings, generate_problems
 from turnrl.config import REPO_ROOT, ClientConfig, ServerConfig
 from turnrl.errors import ConfigError
+from turnrl.launcher import load_with_tiny_model
+from turnrl.tiny_model import build_tiny_model
 from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
 
-from ..conftest import run_turnrl, serve_in_process
+from ..conftest import EXAMPLE_CONFIG, run_turnrl, serve_in_process
 
 State = trainer_pb2.Run.State
 SFT_EXAMPLE = REPO_ROOT / "examples" / "calculator" / "sft.yaml"
@@ -78,9 +80,10 @@ def test_conversations_that_do_not_fit_are_named(tiny_model_dir):
 
 
 @contextlib.asynccontextmanager
-async def trainer_stub():
-    """A real TrainerService server in this event loop, and a stub on a channel to it."""
-    service = TrainerService(Ranks())
+async def trainer_stub(model_path: str | None = None):
+    """A real TrainerService server in this event loop, started with `model_path`, and a stub
+    on a channel to it."""
+    service = TrainerService(Ranks(), model_path)
     descriptor = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"]
 
     def add_servicer(server):
@@ -108,6 +111,20 @@ async def run_to_end(stub, config_yaml: str) -> tuple[trainer_pb2.Run, trainer_p
     request = trainer_pb2.GetRunRequest(run_name=started.run.name)
     ended = (await stub.GetRun(request, timeout=10)).run
     return started.run, ended, events
+
+
+async def test_a_run_without_a_model_trains_the_one_the_service_was_started_with(tmp_path):
+    """What a client that cannot see the service's files sends (the composed trainer): the
+    demo's model here, not the default settings' model the run would otherwise get."""
+    demo_model = load_with_tiny_model(EXAMPLE_CONFIG, [], ["trainer"])[0].trainer.model_path
+    assert demo_model != str(build_tiny_model())
+    config = sft_config_yaml(tmp_path, run_name="served-model", steps=1)
+    assert "model_path: null" in config
+    async with trainer_stub(demo_model) as stub:
+        _, run, events = await run_to_end(stub, config)
+    assert run.state == trainer_pb2.Run.State.STATE_SUCCEEDED, run.error_message
+    setup = next(event for event in events if event.stage == "setup")
+    assert setup.message.startswith(f"model {demo_model};")
 
 
 async def test_an_sft_run_of_one_epoch_logs_evaluates_checkpoints_and_exports(

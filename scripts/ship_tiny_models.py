@@ -1,0 +1,34 @@
+"""Rebuilds the tiny models that ship in `turnrl/tiny_models/`: the default settings' (the
+tests' model) and `examples/calculator/config.yaml`'s `tiny_model` (the demo's), and removes
+shipped folders neither names any more. Run it after a change to what a build reads (the
+settings, the calculator data, the chat template, the builder), then commit the folders:
+
+    .venv/bin/python scripts/ship_tiny_models.py
+"""
+
+import logging
+import shutil
+
+from turnrl.config import REPO_ROOT
+from turnrl.project_config import load_project_config
+from turnrl.tiny_model import SHIPPED_MODELS_DIR, build_tiny_model
+from turnrl.tiny_model_settings import TinyModelSettings
+
+DEMO_CONFIG = REPO_ROOT / "examples" / "calculator" / "config.yaml"
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    wanted = [TinyModelSettings(), load_project_config(DEMO_CONFIG, []).tiny_model]
+    folders = {build_tiny_model(SHIPPED_MODELS_DIR, settings=settings) for settings in wanted}
+    for folder in SHIPPED_MODELS_DIR.iterdir():
+        if folder not in folders:
+            shutil.rmtree(folder)
+    for folder in sorted(folders):
+        folder.chmod(0o755)  # built as a private temp folder; the image's user reads it too
+        size = sum(path.stat().st_size for path in folder.iterdir())
+        print(f"shipped {folder.relative_to(REPO_ROOT)} ({size / 2**20:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    main()
