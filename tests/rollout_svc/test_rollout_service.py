@@ -197,7 +197,7 @@ async def test_multi_turn_trajectories_are_token_exact_and_scored(tiny_model_dir
             Finish.FINISH_REASON_MAX_RESPONSE_LENGTH,
         ),
         (
-            {"max_new_tokens": 64, "max_response_length": 100, "max_model_len": 280},
+            {"max_new_tokens": 64, "max_response_length": 100, "max_model_len": 250},
             0,
             Finish.FINISH_REASON_MAX_MODEL_LEN,
         ),

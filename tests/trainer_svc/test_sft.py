@@ -119,7 +119,7 @@ async def test_a_run_without_a_model_trains_the_one_the_service_was_started_with
     demo_model = load_with_tiny_model(EXAMPLE_CONFIG, [], ["trainer"])[0].trainer.model_path
     assert demo_model != str(build_tiny_model())
     config = sft_config_yaml(tmp_path, run_name="served-model", steps=1)
-    assert "model_path: null" in config
+    assert "model_path" not in config
     async with trainer_stub(demo_model) as stub:
         _, run, events = await run_to_end(stub, config)
     assert run.state == trainer_pb2.Run.State.STATE_SUCCEEDED, run.error_message
