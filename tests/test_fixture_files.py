@@ -198,11 +198,8 @@ def test_without_the_folder_or_the_hub_the_error_names_both_ways(
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(FixturesUnavailableError) as raised:
         resolve_fixtures()
-    message = str(raised.value)
-    assert "TURNRL_FIXTURES" in message
-    assert "Hugging Face Hub" in message
-    assert "openai/gsm8k" in message
-    assert "LocalEntryNotFoundError" in message
+    assert_names_both_ways(str(raised.value), "LocalEntryNotFoundError")
+    assert "openai/gsm8k" in str(raised.value)
     assert not no_fixtures_folder.exists()
 
 
@@ -213,8 +210,11 @@ def test_a_hub_without_the_pinned_revisions_is_an_error_naming_both_ways(
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         with pytest.raises(FixturesUnavailableError) as raised:
             resolve_fixtures()
-    message = str(raised.value)
+    assert_names_both_ways(str(raised.value), "RevisionNotFoundError")
+    assert not no_fixtures_folder.exists()
+
+
+def assert_names_both_ways(message: str, cause: str) -> None:
     assert "TURNRL_FIXTURES" in message
     assert "Hugging Face Hub" in message
-    assert "RevisionNotFoundError" in message
-    assert not no_fixtures_folder.exists()
+    assert cause in message
