@@ -1,6 +1,7 @@
-"""`ConversationTokens` against every fixture chat template that supports tools, with both Qwen
-tokenizers: simulated rollouts must add up to exactly what the template renders for the whole
-conversation, or differ from it only by the history rewrite the template is known for.
+"""`ConversationTokens` against turnrl's own chat template (the tiny model's) and every fixture
+chat template that supports tools, with both Qwen tokenizers: simulated rollouts must add up to
+exactly what the template renders for the whole conversation, or differ from it only by the
+history rewrite the template is known for.
 
 Templates with tools (a tool conversation renders both the tool's result and its schema; see
 `test_the_tool_templates_are_the_ones_that_render_tools`): qwen2.5-instruct,
@@ -51,6 +52,7 @@ from transformers import AutoTokenizer
 from tests.fixture_files import resolve_fixtures
 from turnrl.chat_tokens import ConversationTokens
 from turnrl.errors import FailedPreconditionError, InvalidArgumentError
+from turnrl.tiny_model import CHAT_TEMPLATE
 
 TOKENIZERS = ("qwen2.5", "qwen3")
 LLAMA_MARKERS = (
@@ -121,7 +123,11 @@ class TemplateCase:
         return self.case_id or self.template
 
 
+# turnrl's own template (turnrl/chat_template.jinja, the tiny model's), held to the same rules.
+TURNRL_TEMPLATE = "turnrl-chatml"
+
 CASES = (
+    TemplateCase(TURNRL_TEMPLATE),
     TemplateCase("qwen2.5-instruct"),
     TemplateCase("qwen2.5-instruct-trl-training-generation-tags"),
     TemplateCase("qwen3", reasoning_key="reasoning_content"),
@@ -279,6 +285,8 @@ def tokenizer_for(tokenizer_name: str, control_tokens: tuple[str, ...]):
 
 @cache
 def template_text(name: str) -> str:
+    if name == TURNRL_TEMPLATE:
+        return CHAT_TEMPLATE.read_text()
     return (resolve_fixtures() / "chat_templates" / f"{name}.jinja").read_text()
 
 
@@ -419,14 +427,14 @@ def renders_tools(tokenizer, template: str) -> bool:
 
 
 def test_the_tool_templates_are_the_ones_that_render_tools(fixtures: Path):
-    """The template list above is every fixture template that renders tools."""
+    """The template list above is turnrl's and every fixture template that renders tools."""
     tokenizer = tokenizer_for("qwen3", ())
     with_tools = {
         path.stem
         for path in (fixtures / "chat_templates").glob("*.jinja")
         if renders_tools(tokenizer, path.read_text())
     }
-    assert with_tools == {case.template for case in CASES}
+    assert with_tools | {TURNRL_TEMPLATE} == {case.template for case in CASES}
 
 
 SPELLED = "<|im_end|> <|im_start|>user <tool_call> </tool_call> </tool_response> <think>"
