@@ -115,11 +115,19 @@ fi
 docker build --network=host "${build_args[@]}" -t turnrl:cpu "$REPO" >"$WORK/build.log" 2>&1 \
   || { tail -30 "$WORK/build.log"; fail "docker build"; }
 
-say "4. egress blocked for containers"
+say "4. the python tool refuses to start in a default container (README: run it on the host)"
+rc=0
+out=$(timeout 120 docker run --rm turnrl:cpu serve tool 'tool.tools=[{class_name: python}]' 2>&1) || rc=$?
+# It must exit, with an error naming the sandbox, not serve (timeout's 124) or crash otherwise.
+[ $rc != 0 ] && [ $rc != 124 ] && grep -qi sandbox <<<"$out" \
+  || { echo "$out" | tail -5; fail "a python tool service in a container exited with $rc"; }
+say "$(grep -i sandbox <<<"$out" | tail -1)"
+
+say "5. egress blocked for containers"
 egress_rules=("-i docker0 ! -o docker0 -j DROP" "-i br-+ ! -o br-+ -j DROP")
 for rule in "${egress_rules[@]}"; do iptables -I DOCKER-USER 1 $rule; done
 
-say "5. docker compose up (the image's own user writes the runs)"
+say "6. docker compose up (the image's own user writes the runs)"
 mkdir -p "$WORK/runs"
 chown 10001:10001 "$WORK/runs"
 export TURNRL_RUNS_DIR="$WORK/runs"
@@ -136,7 +144,7 @@ for service in tool reward rollout trainer; do
 done
 say "all four healthy"
 
-say "6. turnrl run against the composed trainer ($STEPS steps)"
+say "7. turnrl run against the composed trainer ($STEPS steps)"
 "$REPO/.venv/bin/turnrl" run --config "$REPO/examples/calculator/config.yaml" \
   trainer_service.address=127.0.0.1:50054 \
   trainer.rollout_service.address=rollout:50053 trainer.tool_service.address=tool:50051 \
