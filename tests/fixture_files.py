@@ -7,6 +7,7 @@ pinned commits, into the turnrl cache: `HUB_FILES` says where each one lives the
 `NOT_ON_HUB` have no faithful Hub copy, so only the shared folder has them.
 """
 
+import functools
 import io
 import json
 import os
@@ -170,14 +171,13 @@ def resolve_fixtures() -> Path:
     if shared.is_dir():
         return shared
     downloaded = cache_dir() / "test-fixtures"
-    missing = [path for path in HUB_FILES if not (downloaded / path).is_file()]
-    if missing:
-        try:
-            download_from_hub(missing, downloaded)
-        # HfHubHTTPError and the offline and not-found errors are OSErrors; a connection that
-        # fails while a file streams surfaces as httpx2's own error.
-        except (OSError, httpx2.HTTPError) as error:
-            raise FixturesUnavailableError(unavailable_message(shared, error)) from error
+    missing = tuple(path for path in HUB_FILES if not (downloaded / path).is_file())
+    # huggingface_hub reads HF_ENDPOINT and HF_HUB_OFFLINE once, at import; read here, they take
+    # effect however late they are set.
+    endpoint = os.environ.get("HF_ENDPOINT", "").rstrip("/") or None
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in TRUE_VALUES
+    if missing and (failure := download_failure(missing, downloaded, endpoint, offline)):
+        raise FixturesUnavailableError(unavailable_message(shared, failure))
     warnings.warn(
         f"Test fixtures come from the Hugging Face Hub ({downloaded}). These have no Hub source, "
         "so tests that read them fail; set TURNRL_FIXTURES to a folder of all fixtures (CI's "
@@ -188,12 +188,28 @@ def resolve_fixtures() -> Path:
     return downloaded
 
 
-def download_from_hub(paths: Iterable[str], folder: Path) -> None:
-    """Downloads the `HUB_FILES` entries `paths` into `folder` as the fixture files."""
-    # huggingface_hub reads HF_ENDPOINT and HF_HUB_OFFLINE once, at import; read here, they take
-    # effect however late they are set.
-    endpoint = os.environ.get("HF_ENDPOINT", "").rstrip("/") or None
-    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in TRUE_VALUES
+@functools.cache
+def download_failure(
+    paths: tuple[str, ...], folder: Path, endpoint: str | None, offline: bool
+) -> str | None:
+    """Downloads the `HUB_FILES` entries `paths` into `folder`; what went wrong, or None.
+
+    Cached, so a failure is met once per test session, not once per test that asks: an
+    unreachable Hub costs about 23 s of huggingface_hub's retries each time."""
+    try:
+        download_from_hub(paths, folder, endpoint, offline)
+    # HfHubHTTPError and the offline and not-found errors are OSErrors; a connection that
+    # fails while a file streams surfaces as httpx2's own error.
+    except (OSError, httpx2.HTTPError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def download_from_hub(
+    paths: Iterable[str], folder: Path, endpoint: str | None, offline: bool
+) -> None:
+    """Downloads the `HUB_FILES` entries `paths` from `endpoint` (None: the Hub) into `folder` as
+    the fixture files; `offline` (HF_HUB_OFFLINE) fails at once, as nothing is cached."""
     # The Hub's own forms of the files (a tokenizer_config.json, a parquet) are not kept.
     with tempfile.TemporaryDirectory() as hub_cache:
         for path in paths:
@@ -221,11 +237,11 @@ def write_whole(path: Path, data: bytes) -> None:
     partial.replace(path)
 
 
-def unavailable_message(shared: Path, error: BaseException) -> str:
+def unavailable_message(shared: Path, failure: str) -> str:
     repos = sorted({source.repo_id for source in HUB_FILES.values()})
     return (
         f"Test fixtures are unavailable: {shared} is not a folder, and downloading them from the "
-        f"Hugging Face Hub failed ({type(error).__name__}: {error}).\n"
+        f"Hugging Face Hub failed ({failure}).\n"
         "Either set TURNRL_FIXTURES to a folder of the fixtures (CI's ../shared/fixtures), or give "
         "this machine access to the Hugging Face Hub (HF_ENDPOINT, when set, must point at one; "
         "HF_HUB_OFFLINE must be unset) to download from: " + ", ".join(repos) + "."

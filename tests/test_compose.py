@@ -1,6 +1,7 @@
 """docker-compose.yml and the Dockerfile agree with the CPU example config and pyproject.toml.
 
-No Docker engine is needed: the files are only parsed.
+No Docker engine is needed: the files are only parsed. tests/compose/compose_stack.sh (`make
+test-compose`) builds and runs them on a real one.
 """
 
 import functools
