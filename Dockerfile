@@ -28,6 +28,7 @@ RUN pip install -c constraints.txt --extra-index-url "$TORCH_INDEX_URL" \
 # The packages themselves (pyproject's [tool.setuptools.packages.find]), the proto sources and
 # the example configs the services are started with.
 COPY turnrl/ turnrl/
+COPY turnrl_cli/ turnrl_cli/
 COPY tool_svc/ tool_svc/
 COPY reward_svc/ reward_svc/
 COPY rollout_svc/ rollout_svc/

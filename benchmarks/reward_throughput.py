@@ -24,7 +24,7 @@ from turnrl.v1 import reward_pb2, reward_pb2_grpc
 
 async def start_service(workers: int) -> tuple[asyncio.subprocess.Process, str]:
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "turnrl", "--log-level", "WARNING", "serve", "reward", "--port", "0",
+        sys.executable, "-m", "turnrl_cli", "--log-level", "WARNING", "serve", "reward", "--port", "0",
         f"reward.workers={workers}", "reward.max_concurrency=512",
         stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip

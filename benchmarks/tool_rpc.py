@@ -29,7 +29,7 @@ SANDBOX = tool_pb2.ExecuteRequest(tool_name="python", arguments='{"code": "print
 
 async def start_service() -> tuple[asyncio.subprocess.Process, str]:
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "turnrl", "--log-level", "WARNING", "serve", "tool", "--port", "0",
+        sys.executable, "-m", "turnrl_cli", "--log-level", "WARNING", "serve", "tool", "--port", "0",
         TOOLS_OVERRIDE, "tool.default_limits.max_concurrency=0",
         stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip

@@ -59,7 +59,7 @@ RAW_TIMEOUT = datetime.timedelta(seconds=120)
 async def start_rollout(model_dir: str) -> tuple[asyncio.subprocess.Process, str]:
     nowhere = "127.0.0.1:1"  # a weight push calls no tool or reward service
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "turnrl", "--log-level", "WARNING", "serve", "rollout", "--port", "0",
+        sys.executable, "-m", "turnrl_cli", "--log-level", "WARNING", "serve", "rollout", "--port", "0",
         f"rollout.model_path={model_dir}", f"rollout.tokenizer_path={build_tiny_model()}",
         f"rollout.tool_service.address={nowhere}", f"rollout.reward_service.address={nowhere}",
         stdout=asyncio.subprocess.PIPE,

@@ -2,6 +2,6 @@
 
 import sys
 
-from turnrl.cli import main
+from turnrl_cli.cli import main
 
 main(["serve", "rollout", *sys.argv[1:]])

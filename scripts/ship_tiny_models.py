@@ -10,9 +10,9 @@ import logging
 import shutil
 
 from turnrl.config import REPO_ROOT
-from turnrl.project_config import load_project_config
 from turnrl.tiny_model import SHIPPED_MODELS_DIR, build_tiny_model
 from turnrl.tiny_model_settings import TinyModelSettings
+from turnrl_cli.project_config import load_project_config
 
 DEMO_CONFIG = REPO_ROOT / "examples" / "calculator" / "config.yaml"
 

@@ -17,8 +17,8 @@ from google.protobuf.descriptor import ServiceDescriptor
 from tests.fixture_files import FixturesUnavailableError, resolve_fixtures
 from turnrl import rpc
 from turnrl.config import REPO_ROOT, ServerConfig
-from turnrl.project_config import SERVICE_NAMES
 from turnrl.tiny_model import build_tiny_model
+from turnrl_cli.project_config import SERVICE_NAMES
 
 # Asyncio debug mode in every test loop and child service: slow callbacks (>100 ms) are reported.
 os.environ.setdefault("PYTHONASYNCIODEBUG", "1")
@@ -81,11 +81,11 @@ class ServedProcess:
 
 
 async def spawn_turnrl(*args: str, env: dict[str, str] | None = None):
-    """Starts `python -m turnrl ARGS` with piped stdout and stderr."""
+    """Starts `python -m turnrl_cli ARGS` with piped stdout and stderr."""
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "turnrl",
+        "turnrl_cli",
         *args,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
@@ -95,7 +95,7 @@ async def spawn_turnrl(*args: str, env: dict[str, str] | None = None):
 
 
 async def run_turnrl(*args: str, env: dict[str, str] | None = None, timeout_seconds: float = 120.0):
-    """Runs `python -m turnrl ARGS` to completion; returns (exit code, stdout, stderr)."""
+    """Runs `python -m turnrl_cli ARGS` to completion; returns (exit code, stdout, stderr)."""
     process = await spawn_turnrl(*args, env=env)
     try:
         async with asyncio.timeout(timeout_seconds):

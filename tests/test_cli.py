@@ -174,7 +174,7 @@ def test_the_cli_and_config_load_without_torch():
     # Thin clients (`turnrl tool list`, `turnrl score`) and config loading stay quick: torch and
     # transformers load only in the services that use them.
     code = (
-        "import sys, turnrl.cli, turnrl.project_config; "
+        "import sys, turnrl_cli.cli, turnrl_cli.project_config; "
         "print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     )
     loaded = subprocess.run(

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from turnrl.config import REPO_ROOT
-from turnrl.project_config import ProjectConfig, load_project_config
+from turnrl_cli.project_config import ProjectConfig, load_project_config
 
 SERVICES = ("tool", "reward", "rollout", "trainer")
 # Where the Dockerfile puts the repository's files inside the image (its WORKDIR).

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from turnrl.config import REPO_ROOT, validate_config
-from turnrl.project_config import ProjectConfig
+from turnrl_cli.project_config import ProjectConfig
 
 BLOCKS = re.findall(r"```yaml\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)
 

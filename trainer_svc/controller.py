@@ -9,28 +9,22 @@ checkpoint; repeat.
 
 Model compute runs through `Ranks` (trainer_svc/ranks.py), on every rank of the trainer service
 and in a worker thread, so the service keeps answering RPCs (GetRun, StopRun) during a step.
-Every stage reports a ProgressEvent through `emit`. `RunLoop` holds what this loop shares with
-the SFT loop (trainer_svc/sft.py): stop and checkpoint requests, the report, the end of the run.
+Every stage reports a ProgressEvent through `emit`. `RunLoop` (trainer_svc/run_loop.py) holds
+what this loop shares with the SFT loop (trainer_svc/sft.py): stop and checkpoint requests, the
+report, the end of the run.
 """
 
-import abc
-import asyncio
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 import grpc
 import torch
-from transformers import AutoTokenizer
 
-from trainer_svc.checkpoint import save_checkpoint
-from trainer_svc.config import TrainerConfig
 from trainer_svc.data import EpochSampler, PromptRecord, load_datasets
-from trainer_svc.ranks import Ranks, checkpoint_state, gather_weights, restore, save_pretrained
-from trainer_svc.report import REWARD_PLOT, Plot, RunReport
+from trainer_svc.ranks import checkpoint_state, gather_weights
+from trainer_svc.report import REWARD_PLOT
 from trainer_svc.rl_step import (
     keep_groups_with_signal,
     mini_batches,
@@ -40,152 +34,14 @@ from trainer_svc.rl_step import (
     rollout_metrics,
     trainable,
 )
+from trainer_svc.run_loop import FINAL_MODEL, ProgressEvent, RunLoop
 from trainer_svc.weight_push import WeightPusher
 from turnrl import rpc
 from turnrl.errors import ConfigError
-from turnrl.tiny_model import build_tiny_model
 from turnrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, tool_pb2, tool_pb2_grpc
 
 logger = logging.getLogger(__name__)
 MIB = 1024 * 1024
-FINAL_MODEL = "final_model"  # the last policy in Hugging Face format, beside summary.json
-
-
-@dataclass
-class ProgressEvent:
-    """One finished stage of a run."""
-
-    step: int
-    stage: str  # setup, rollout, train, push, eval, checkpoint, done
-    metrics: dict[str, float] = field(default_factory=dict)
-    message: str = ""
-
-
-@dataclass
-class CheckpointRequest:
-    """A SaveCheckpoint call waiting for the end of the current step."""
-
-    done: asyncio.Future  # resolves to (checkpoint folder, step)
-
-
-class RunLoop(abc.ABC):
-    """What the loop of every kind of run shares (the RL `Controller` here, and
-    trainer_svc.sft.SftController): its step, stop and checkpoint requests, its report, and the
-    end of the run. A subclass's `run` builds its models with `ranks.build`, writes checkpoints
-    with `_checkpoint` and describes the run with `_summary`."""
-
-    sampler: EpochSampler
-    report: RunReport
-
-    def __init__(
-        self,
-        config: TrainerConfig,
-        run_dir: Path,
-        emit: Callable[[ProgressEvent], None],
-        ranks: Ranks,
-    ) -> None:
-        self.config = config
-        self.ranks = ranks
-        self.run_dir = run_dir
-        self.emit = emit
-        self.step = 0
-        self.total_steps = self._planned_steps()
-        self.stop_requested = False
-        self.checkpoint_requests: list[CheckpointRequest] = []
-        self._checkpointed_step = -1
-
-    def _planned_steps(self) -> int:
-        """The run's length as known before setup (a subclass may count it from its data)."""
-        return self.config.steps
-
-    def request_stop(self) -> None:
-        self.stop_requested = True
-
-    @abc.abstractmethod
-    async def run(self, resume: bool) -> dict[str, Any]:
-        """Trains to `total_steps` or a stop; returns the summary written to summary.json."""
-
-    @abc.abstractmethod
-    async def _train_step(self) -> None:
-        """Takes the next step, then `_evaluate_and_checkpoint_when_due`."""
-
-    @abc.abstractmethod
-    async def _evaluate(self) -> None:
-        """Measures the policy on the held-out data and logs it, with `eval/step`."""
-
-    @abc.abstractmethod
-    async def _checkpoint(self) -> None:
-        """Saves this step's checkpoint with `_save_checkpoint`."""
-
-    @abc.abstractmethod
-    def _summary(self, wall_seconds: float) -> dict[str, Any]:
-        """What summary.json says about the run."""
-
-    async def _model_and_tokenizer(self) -> tuple[str, Any]:
-        """The initial policy's folder (None in the config: the tiny calculator model) and its
-        tokenizer; sets `pad_token_id`."""
-        model_path = self.config.model_path or str(await asyncio.to_thread(build_tiny_model))
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_path)
-        self.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
-        return model_path, tokenizer
-
-    async def _restore_checkpoint(self) -> dict[str, Any] | None:
-        """Restores the models, the data position and the step of the run's latest checkpoint;
-        returns the checkpoint's state, or None when there is none."""
-        state = await self.ranks.run(restore, self.run_dir)
-        if state is not None:
-            self.sampler.position = state["data_position"]
-            self.step = self._checkpointed_step = state["step"]
-        return state
-
-    def _open_report(self, resumed: bool, plot: Plot) -> None:
-        self.report = RunReport(
-            self.run_dir,
-            self.run_dir.name,
-            self.config.wandb_mode,
-            self.config.model_dump(mode="json"),
-            plot,
-            resumed_step=self.step if resumed else None,
-        )
-
-    async def _train_to_end(self) -> None:
-        """Evaluates the starting policy, steps to `total_steps` or a stop, evaluates the last."""
-        if self.step == 0:
-            await self._evaluate()
-        while self.step < self.total_steps and not self.stop_requested:
-            await self._train_step()
-        if self.report.last("eval/step") != self.step:
-            await self._evaluate()
-
-    async def _evaluate_and_checkpoint_when_due(self) -> None:
-        """The end of a step: evaluate every `eval_every` steps (the last step's evaluation is
-        the run's final one), checkpoint every `checkpoint_every` steps or when asked to."""
-        every = self.config.eval_every
-        if every and self.step % every == 0 and self.step < self.total_steps:
-            await self._evaluate()
-        every = self.config.checkpoint_every
-        if (every and self.step % every == 0) or self.checkpoint_requests:
-            await self._checkpoint()
-
-    async def _save_checkpoint(self, state: dict[str, Any]) -> None:
-        """Writes `state` as this step's checkpoint and answers the SaveCheckpoint calls waiting."""
-        folder = await asyncio.to_thread(save_checkpoint, self.run_dir, self.step, state)
-        self._checkpointed_step = self.step
-        for request in self.checkpoint_requests:
-            request.done.set_result((folder, self.step))
-        self.checkpoint_requests.clear()
-        self.emit(ProgressEvent(self.step, "checkpoint", message=str(folder)))
-
-    async def _finish(self, model_path: str, started: float) -> dict[str, Any]:
-        """Ends the run: a checkpoint of its last step, the policy in Hugging Face format in
-        final_model/, then curves.png and summary.json; returns the summary."""
-        if self._checkpointed_step != self.step:
-            await self._checkpoint()
-        export = self.run_dir / FINAL_MODEL
-        await self.ranks.run(save_pretrained, export, model_path)
-        summary = self.report.finish(self._summary(time.monotonic() - started))
-        self.emit(ProgressEvent(self.step, "done", message=f"summary {self.run_dir}/summary.json"))
-        return summary
 
 
 class Controller(RunLoop):

@@ -13,8 +13,9 @@ from typing import Any
 import yaml
 
 from trainer_svc.config import TrainerConfig
-from trainer_svc.controller import CheckpointRequest, Controller, ProgressEvent, RunLoop
+from trainer_svc.controller import Controller
 from trainer_svc.ranks import Ranks
+from trainer_svc.run_loop import CheckpointRequest, ProgressEvent, RunLoop
 from trainer_svc.sft import SftController
 from turnrl.config import validate_config
 from turnrl.errors import (

@@ -25,11 +25,11 @@ import torch
 from torch import Tensor
 
 from trainer_svc.config import TrainSettings
-from trainer_svc.controller import FINAL_MODEL, ProgressEvent, RunLoop
 from trainer_svc.data import ConversationRecord, EpochSampler, load_conversations
 from trainer_svc.fsdp import Batch, FsdpPolicy
 from trainer_svc.ranks import Models, checkpoint_state, share_of
 from trainer_svc.report import LOSS_PLOT
+from trainer_svc.run_loop import FINAL_MODEL, ProgressEvent, RunLoop
 from turnrl.chat_tokens import conversation_ids_and_loss_mask
 from turnrl.errors import ConfigError, TurnrlError
 

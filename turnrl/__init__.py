@@ -1,7 +1,9 @@
 """turnrl: reinforcement-learning post-training for tool-using LLM agents, as four gRPC services.
 
-This package is what the services share: generated stubs (`turnrl.v1`), config (`config`,
-`project_config`), domain errors (`errors`), gRPC plumbing (`rpc`) and the `turnrl` CLI.
+This package is what the services share: generated stubs (`turnrl.v1`), the config base
+(`config`), domain errors (`errors`), gRPC plumbing (`rpc`), the trajectory, chat-template
+tokenization and the weight layout. It imports no service; the layer above the services (the
+`turnrl` command line, the whole config file, the launcher) is `turnrl_cli`.
 """
 
 import os

@@ -2,7 +2,7 @@
 
 A turnrl config is one YAML file with a section per service (`tool`, `reward`, `rollout`,
 `trainer`); each section is a pydantic model in that service's `config.py`, assembled in
-`turnrl.project_config`. `key.sub=value` overrides on the command line are applied on top of the
+`turnrl_cli.project_config`. `key.sub=value` overrides on the command line are applied on top of the
 file. Every model here forbids unknown keys and is frozen; every field states its units.
 """
 

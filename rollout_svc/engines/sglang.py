@@ -26,7 +26,6 @@ and logprobs are both read from those triples, so they cannot fall out of step.
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -51,6 +50,7 @@ from turnrl.errors import (
     UnavailableError,
 )
 from turnrl.http_json import MAX_ERROR_BODY_CHARS
+from turnrl.subprocesses import die_with_parent
 from turnrl.weights import BucketedWeights, TensorMeta
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,6 @@ DEFAULT_LAUNCH_COMMAND = (sys.executable, "-m", "sglang.launch_server")
 DEFAULT_GROUP_NAME = "weight_update_group"
 RETRY_BASE_SECONDS = 0.1
 RETRY_MAX_SECONDS = 2.0
-PR_SET_PDEATHSIG = 1
 UPDATE_WEIGHTS_UNSUPPORTED = (
     "the SGLang engine receives weights over the distributed group: call "
     "init_weight_sync() once, then update_weights_from_distributed() per bucket while "
@@ -631,16 +630,10 @@ async def _start_server(launch: SglangLaunchOptions) -> tuple[asyncio.subprocess
         stdin=asyncio.subprocess.DEVNULL,
         # Its own group, so close() can stop the scheduler and detokenizer processes too.
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
     )
     client_host = "127.0.0.1" if launch.host in ("0.0.0.0", "") else launch.host
     return process, f"http://{client_host}:{port}"
-
-
-def _die_with_parent() -> None:
-    # Runs in the child before exec: if the rollout service dies, the server gets SIGTERM
-    # instead of holding the GPUs.
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _free_port(host: str) -> int:

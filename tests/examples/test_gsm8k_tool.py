@@ -20,7 +20,7 @@ from tool_svc.service import ToolService
 from trainer_svc.data import PromptRecord, load_datasets
 from turnrl.chat_tokens import ConversationTokens
 from turnrl.config import REPO_ROOT
-from turnrl.project_config import ProjectConfig, load_project_config
+from turnrl_cli.project_config import ProjectConfig, load_project_config
 
 EXAMPLE = REPO_ROOT / "examples" / "gsm8k_tool"
 # (split, index in the fixture file, final answer as the fixture's solution writes it)

@@ -22,8 +22,6 @@ from turnrl.calculator_data import (
     split_of,
 )
 from turnrl.chat_tokens import conversation_ids_and_loss_mask
-from turnrl.launcher import load_with_tiny_model
-from turnrl.project_config import load_project_config
 from turnrl.tiny_model import (
     CHAT_TEMPLATE,
     SHIPPED_MODELS_DIR,
@@ -33,6 +31,8 @@ from turnrl.tiny_model import (
     training_conversations,
 )
 from turnrl.tiny_model_settings import TinyModelSettings
+from turnrl_cli.launcher import load_with_tiny_model
+from turnrl_cli.project_config import load_project_config
 
 from ..conftest import EXAMPLE_CONFIG
 from ..turnrl.test_conversation_loss_mask import masked_runs

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tool_svc.sandbox import SandboxUnavailableError
+from tool_svc.cgroups import SandboxUnavailableError
 from tool_svc.tools.base import ToolCallError, ToolErrorKind
 from tool_svc.tools.python import PythonTool
 from turnrl.config import REPO_ROOT

@@ -23,9 +23,9 @@ from turnrl import rpc
 from turnrl.calculator_data import TOOLS, ProblemSettings, generate_problems
 from turnrl.config import REPO_ROOT, ClientConfig, ServerConfig
 from turnrl.errors import ConfigError
-from turnrl.launcher import load_with_tiny_model
 from turnrl.tiny_model import build_tiny_model
 from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
+from turnrl_cli.launcher import load_with_tiny_model
 
 from ..conftest import EXAMPLE_CONFIG, run_turnrl, serve_in_process
 

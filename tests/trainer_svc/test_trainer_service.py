@@ -51,7 +51,7 @@ def services(example_on_tiny_model, tmp_path_factory) -> dict[str, str]:
     log = (tmp_path_factory.mktemp("up") / "up.log").open("w")
     up = ["up", "--config", str(EXAMPLE_CONFIG), *FREE_PORTS, *example_on_tiny_model]
     process = subprocess.Popen(
-        [sys.executable, "-m", "turnrl", *up],
+        [sys.executable, "-m", "turnrl_cli", *up],
         stdout=subprocess.PIPE,
         stderr=log,  # a file, so the services' logs never fill a pipe nobody reads
         text=True,

@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from turnrl.config import DEFAULT_PORTS, ClientConfig, ServerConfig
 from turnrl.errors import ConfigError
-from turnrl.project_config import ProjectConfig, load_project_config
+from turnrl_cli.project_config import ProjectConfig, load_project_config
 
 from ..conftest import EXAMPLE_CONFIG
 

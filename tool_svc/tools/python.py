@@ -26,15 +26,13 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
+from tool_svc.cgroups import LimitCounters, SandboxLimits, SandboxUnavailableError
 from tool_svc.sandbox import (
     WORKSPACE,
     Captured,
-    LimitCounters,
     RunOutcome,
     Sandbox,
-    SandboxLimits,
     SandboxProcess,
-    SandboxUnavailableError,
     read_capped,
 )
 from tool_svc.tools.base import Tool, ToolCallError, ToolErrorKind, ToolResult

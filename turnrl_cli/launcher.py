@@ -1,7 +1,7 @@
 """Local launcher: runs the four services as child processes (`turnrl up`, `turnrl run`).
 
 It starts the services the config does not point at (ProjectConfig.services_to_start), and
-points the ones it starts at the others. Each child is `python -m turnrl serve <name>` with the same config file and overrides. The
+points the ones it starts at the others. Each child is `python -m turnrl_cli serve <name>` with the same config file and overrides. The
 launcher learns each address from the child's first stdout line, waits for gRPC health
 SERVING, and supervises: when one child dies it says which and why (exit status and its last
 log lines) and stops the others; on Ctrl-C or SIGTERM it stops them all, trainer first.
@@ -9,7 +9,6 @@ log lines) and stops the others; on Ctrl-C or SIGTERM it stops them all, trainer
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -34,8 +33,9 @@ from rich.table import Table
 
 from turnrl import rpc
 from turnrl.config import ClientConfig, ServerConfig
-from turnrl.project_config import ProjectConfig, load_project_config
+from turnrl.subprocesses import die_with_parent
 from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
+from turnrl_cli.project_config import ProjectConfig, load_project_config
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,6 @@ STARTUP_TIMEOUT_SECONDS = 120.0
 # Extra time past a service's own shutdown grace before it is killed.
 STOP_SLACK_SECONDS = 5.0
 LOG_TAIL_LINES = 20
-PR_SET_PDEATHSIG = 1
 
 
 class ServiceDiedError(RuntimeError):
@@ -321,7 +320,7 @@ def _peer_addresses(name: str, project: ProjectConfig, started: list[ServiceProc
 async def _spawn(
     name: str, server: ServerConfig, config_path: Path | None, overrides: Sequence[str]
 ) -> ServiceProcess:
-    command = [sys.executable, "-m", "turnrl", "serve", name, *overrides]
+    command = [sys.executable, "-m", "turnrl_cli", "serve", name, *overrides]
     if config_path is not None:
         command[5:5] = ["--config", str(config_path)]
     process = await asyncio.create_subprocess_exec(
@@ -331,16 +330,11 @@ async def _spawn(
         stderr=asyncio.subprocess.PIPE,
         # Own session: a terminal's Ctrl-C reaches only the launcher, which stops children in order.
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
     )
     service = ServiceProcess(name=name, server=server, process=process)
     service.log_task = asyncio.create_task(_forward_log(service))
     return service
-
-
-def _die_with_parent() -> None:
-    # Runs in the child before exec: if the launcher is killed, the kernel sends SIGTERM.
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 async def _forward_log(service: ServiceProcess) -> None:

@@ -20,9 +20,10 @@ import os
 import sys
 from pathlib import Path
 
-from turnrl import __version__, client_commands, launcher
+from turnrl import __version__
 from turnrl.config import DEFAULT_PORTS
 from turnrl.errors import ConfigError
+from turnrl_cli import client_commands, launcher
 
 # The module whose `serve(config)` runs each service, given its section of the config. Imported
 # only by `turnrl serve`: the rollout and trainer servers load torch, which would add seconds to
@@ -157,7 +158,7 @@ def _serve(args: argparse.Namespace) -> int:
         # Becomes torchrun, which starts this command once per rank (the tiny model is built).
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         os.execv(
-            sys.executable, [*torchrun, f"--nproc-per-node={ranks}", "-m", "turnrl", *args.argv]
+            sys.executable, [*torchrun, f"--nproc-per-node={ranks}", "-m", "turnrl_cli", *args.argv]
         )
     try:
         server = importlib.import_module(SERVER_MODULES[args.service])

@@ -1,3 +1,0 @@
-from turnrl.cli import main
-
-main()

@@ -1,0 +1,3 @@
+from turnrl_cli.cli import main
+
+main()
