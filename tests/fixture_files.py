@@ -20,11 +20,9 @@ from pathlib import Path
 import httpx2
 import pyarrow.parquet as pq
 from huggingface_hub import hf_hub_download
+from huggingface_hub.constants import ENV_VARS_TRUE_VALUES
 
 from turnrl.config import cache_dir, fixtures_dir
-
-# huggingface_hub's spellings of a true environment variable (constants.ENV_VARS_TRUE_VALUES).
-TRUE_VALUES = {"1", "ON", "YES", "TRUE"}
 
 
 def chat_template_of_tokenizer_config(data: bytes) -> bytes:
@@ -175,7 +173,7 @@ def resolve_fixtures() -> Path:
     # huggingface_hub reads HF_ENDPOINT and HF_HUB_OFFLINE once, at import; read here, they take
     # effect however late they are set.
     endpoint = os.environ.get("HF_ENDPOINT", "").rstrip("/") or None
-    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in TRUE_VALUES
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ENV_VARS_TRUE_VALUES
     if missing and (failure := download_failure(missing, downloaded, endpoint, offline)):
         raise FixturesUnavailableError(unavailable_message(shared, failure))
     warnings.warn(
