@@ -29,6 +29,7 @@ RUN pip install -c constraints.txt --extra-index-url "$TORCH_INDEX_URL" \
 # the example configs the services are started with.
 COPY turnrl/ turnrl/
 COPY turnrl_cli/ turnrl_cli/
+COPY turnrl_demo/ turnrl_demo/
 COPY tool_svc/ tool_svc/
 COPY reward_svc/ reward_svc/
 COPY rollout_svc/ rollout_svc/

@@ -50,6 +50,7 @@ from rollout_svc.engines.base import GenerateOutput, SamplingParams
 from rollout_svc.engines.hf import HfEngine, HfEngineOptions
 from rollout_svc.parsers import PARSERS
 from rollout_svc.service import RolloutService
+from rollout_svc.tool_schemas import ToolSchemas
 from tool_svc.config import ToolConfig, ToolLimits
 from tool_svc.server import ToolServicer
 from tool_svc.service import ToolService
@@ -59,10 +60,10 @@ from turnrl import rpc
 from turnrl.calculator_data import TOOLS, ProblemSettings, generate_problems
 from turnrl.chat_tokens import ConversationTokens
 from turnrl.config import ClientConfig, ServerConfig
-from turnrl.tiny_model import build_tiny_model
-from turnrl.tiny_model_settings import TinyModelSettings
 from turnrl.trajectory import Trajectory
 from turnrl.v1 import tool_pb2, tool_pb2_grpc
+from turnrl_demo.settings import TinyModelSettings
+from turnrl_demo.tiny_model import build_tiny_model
 
 TOOL_NAME = "calculator"
 MEDIAN_TOOL_SECONDS = 0.05
@@ -73,6 +74,8 @@ MODEL_SETTINGS = TinyModelSettings(
     problems=ProblemSettings(min_operations=2, max_operations=6, one_call_per_operation=True)
 )
 PROBLEMS = ProblemSettings(min_operations=5, max_operations=6, one_call_per_operation=True)
+# The engine's context, and so the rollouts' max_model_len.
+MAX_MODEL_LEN = 2048
 
 
 class SlowCalculatorOptions(CalculatorOptions):
@@ -215,7 +218,7 @@ def calculator_prompts(count: int, draw: int) -> list[PromptSpec]:
         PromptSpec(
             prompt_id=f"p{index}",
             messages=problem.prompt_messages,
-            tools=TOOLS,
+            tool_names=[TOOL_NAME],
             tools_kwargs={TOOL_NAME: {"create_kwargs": {"latency_key": f"{draw}/p{index}"}}},
             data_source="openai/gsm8k",
         )
@@ -247,7 +250,7 @@ class Rollouts:
             tool_call_timeout_seconds=60.0,
         )
         config = RolloutConfig(max_concurrent_trajectories=size)
-        return RolloutService(config, engine, loop, channels=[])
+        return RolloutService(config, engine, loop, ToolSchemas(self.tool_stub), channels=[])
 
     async def run(
         self, service: RolloutService, prompts: list[PromptSpec]
@@ -314,7 +317,7 @@ async def decode_speed(
     # No row may stop early in either, so both decode the same number of tokens.
     model.config.eos_token_id = model.generation_config.eos_token_id = None
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
-    engine = HfEngine(model, HfEngineOptions(model_path=model_path, max_batch_size=len(prompt_ids)))
+    engine = HfEngine(model, HfEngineOptions(max_batch_size=len(prompt_ids)), MAX_MODEL_LEN)
     engine_seconds = math.inf
     try:
         await engine.generate(prompt_ids[0], sampling, "warm-up")
@@ -380,7 +383,7 @@ async def main() -> None:
     model_path = str(await asyncio.to_thread(build_tiny_model, settings=MODEL_SETTINGS))
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_path)
     engine = await HfEngine.create(
-        HfEngineOptions(model_path=model_path, max_batch_size=args.prompts)
+        HfEngineOptions(max_batch_size=args.prompts), model_path, MAX_MODEL_LEN
     )
     draws = []
     try:
@@ -395,7 +398,7 @@ async def main() -> None:
                 tool_options=tool_options,
                 sampling=SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0),
                 limits=RolloutLimits(
-                    max_model_len=2048,
+                    max_model_len=MAX_MODEL_LEN,
                     max_response_length=2 * args.max_turns * args.max_new_tokens,
                     max_new_tokens=args.max_new_tokens,
                     max_turns=args.max_turns,

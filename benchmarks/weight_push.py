@@ -37,9 +37,9 @@ from trainer_svc.config import WeightSyncConfig
 from trainer_svc.weight_push import WeightPusher
 from turnrl import rpc
 from turnrl.config import ClientConfig
-from turnrl.tiny_model import build_tiny_model
 from turnrl.v1 import rollout_pb2_grpc
 from turnrl.weights import BucketedWeights
+from turnrl_demo.tiny_model import build_tiny_model
 
 MODEL_CONFIG = Qwen3Config(
     vocab_size=32000,

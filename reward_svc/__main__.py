@@ -1,7 +1,6 @@
-"""`python -m reward_svc [--config F] [--host H] [--port N] [key=value ...]`: `turnrl serve reward`."""
+"""`python -m reward_svc [--config F] [--host H] [--port N] [reward.key=value ...]`: serves the reward
+service from the `reward:` section of F (reward_svc.server.main)."""
 
-import sys
+from reward_svc.server import main
 
-from turnrl_cli.cli import main
-
-main(["serve", "reward", *sys.argv[1:]])
+main()

@@ -4,14 +4,14 @@ Errors are raised as `turnrl.errors` exceptions and mapped to status codes by `t
 """
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from google.protobuf import json_format, struct_pb2
 
 from reward_svc.config import RewardConfig
 from reward_svc.scorers.base import ScoringRequest
 from reward_svc.service import RewardService, ScoringResult
-from turnrl import rpc
+from turnrl import rpc, service_main
 from turnrl.errors import InvalidArgumentError
 from turnrl.messages import message_to_dict
 from turnrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
@@ -64,6 +64,12 @@ async def serve(config: RewardConfig) -> None:
         )
     finally:
         await service.close()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m reward_svc`: serves the `reward:` section of `--config F` with its overrides
+    (turnrl.service_main); `turnrl serve reward` ends in `serve` too."""
+    service_main.run("reward", serve, service_main.load_config("reward", RewardConfig, argv))
 
 
 def _scoring_request(scoring_input: reward_pb2.ScoringInput) -> ScoringRequest:

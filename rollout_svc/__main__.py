@@ -1,7 +1,6 @@
-"""`python -m rollout_svc [--config F] [--host H] [--port N] [key=value ...]`: `turnrl serve rollout`."""
+"""`python -m rollout_svc [--config F] [--host H] [--port N] [rollout.key=value ...]`: serves the rollout
+service from the `rollout:` section of F (rollout_svc.server.main)."""
 
-import sys
+from rollout_svc.server import main
 
-from turnrl_cli.cli import main
-
-main(["serve", "rollout", *sys.argv[1:]])
+main()

@@ -5,10 +5,11 @@ generate -> parse tool calls -> call the tool service (the calls of one turn con
 interaction asks for more), `max_turns`, or a length limit. Every trajectory is its own asyncio
 task, so a slow tool call holds up only its own trajectory.
 
-Token ids come from the engine as they are and are never re-tokenized; only new non-model
-messages are tokenized, by `ConversationTokens` (the chat template's difference rule). A
-malformed call, an unknown tool, a tool timeout or a dead tool service becomes a tool message
-the model reads, never a lost trajectory.
+Each run builds its `Trajectory` (turnrl/trajectory.py) turn by turn: the segments and the
+conversation's messages live there and nowhere else. Token ids come from the engine as they are
+and are never re-tokenized; only new non-model messages are tokenized, by `ConversationTokens`
+(the chat template's difference rule). A malformed call, an unknown tool, a tool timeout or a
+dead tool service becomes a tool message the model reads, never a lost trajectory.
 """
 
 import asyncio
@@ -21,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 from google.protobuf import json_format
 
 from rollout_svc.engines.base import Engine, SamplingParams
@@ -29,6 +29,7 @@ from rollout_svc.engines.base import FinishReason as EngineFinish
 from rollout_svc.interactions.base import Interaction
 from rollout_svc.parsers import ParsedTurn
 from turnrl.chat_tokens import ConversationTokens
+from turnrl.errors import RpcError
 from turnrl.messages import dict_to_message
 from turnrl.trajectory import FinishReason, Segment, SegmentSource, Trajectory, TurnMetrics
 from turnrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, tool_pb2, tool_pb2_grpc
@@ -42,7 +43,7 @@ class PromptSpec:
 
     prompt_id: str
     messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool schemas
+    tool_names: list[str] = field(default_factory=list)  # as the tool service serves them
     tools_kwargs: dict[str, Any] = field(default_factory=dict)
     interaction_name: str = ""
     interaction_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -94,26 +95,27 @@ class AgentLoop:
     async def run(
         self,
         prompt: PromptSpec,
+        tools: list[dict[str, Any]],
         sample_index: int,
         sampling: SamplingParams,
         limits: RolloutLimits,
         enable_scoring: bool,
         request_id: str,
     ) -> Trajectory:
-        """Rolls out one sample of `prompt`; never raises for the trajectory's sake."""
-        trajectory_id = f"{prompt.prompt_id}/{sample_index}"
-        run = _Run(self, prompt, trajectory_id, sampling, limits, request_id)
+        """Rolls out one sample of `prompt`, whose model may call `tools` (OpenAI schemas);
+        never raises for the trajectory's sake."""
+        run = _Run(self, prompt, tools, sample_index, sampling, limits, request_id)
         try:
             await run.start()
             await run.turns()
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            log.exception("trajectory %s failed", trajectory_id)
+            log.exception("trajectory %s failed", run.trajectory.trajectory_id)
             run.finish(FinishReason.ERROR, f"{type(e).__name__}: {e}")
         finally:
             await asyncio.shield(run.release())
-        trajectory = run.trajectory(sample_index)
+        trajectory = run.finished()
         if enable_scoring:
             trajectory.reward = await self._score(prompt, trajectory)
         return trajectory
@@ -131,53 +133,55 @@ class AgentLoop:
             reply = await self.reward_stub.Score(
                 reward_pb2.ScoreRequest(input=scoring_input), timeout=self.reward_timeout_seconds
             )
-        except grpc.aio.AioRpcError as e:
-            message = f"reward service: {e.code().name}: {e.details()}"
+        except RpcError as e:
+            message = f"reward service: {e.status}: {e.details}"
             return common_pb2.Reward(error=True, error_message=message)
         return reply.result.reward
 
 
 class _Run:
-    """The state of one trajectory while it runs."""
+    """One trajectory while it runs: the `Trajectory` it builds turn by turn, and the state
+    its turns need (token differences, tool sessions, the interaction)."""
 
     def __init__(
         self,
         loop: AgentLoop,
         prompt: PromptSpec,
-        trajectory_id: str,
+        tools: list[dict[str, Any]],
+        sample_index: int,
         sampling: SamplingParams,
         limits: RolloutLimits,
         request_id: str,
     ) -> None:
         self.loop = loop
         self.prompt = prompt
-        self.trajectory_id = trajectory_id
         self.sampling = sampling
         self.limits = limits
         self.request_id = request_id
-        self.messages = [dict(m) for m in prompt.messages]
-        self.segments: list[Segment] = []
-        self.turn_metrics: list[TurnMetrics] = []
-        self.tool_sessions: dict[str, str] = {}
-        self.interaction_state: Any = None
-        self.finish_reason: FinishReason | None = None
-        self.error_message = ""
-        self.step_rewards: list[float] = []
-        self.interaction_scores: list[float] = []
-        self.tokens: ConversationTokens | None = None
-
-    async def start(self) -> None:
+        self.trajectory = Trajectory(
+            trajectory_id=f"{prompt.prompt_id}/{sample_index}",
+            group_id=prompt.prompt_id,
+            sample_index=sample_index,
+            messages=[dict(m) for m in prompt.messages],
+            data_source=prompt.data_source,
+        )
         # The ids a model turn may end on: the tokenizer's end of turn and the call's stops.
-        stop_ids = [self.loop.tokenizer.eos_token_id, *self.sampling.stop_token_ids]
+        stop_ids = [loop.tokenizer.eos_token_id, *sampling.stop_token_ids]
         self.tokens = ConversationTokens(
-            self.loop.tokenizer,
-            self.loop.chat_template,
-            self.prompt.tools or None,
-            self.prompt.chat_template_kwargs or None,
+            loop.tokenizer,
+            loop.chat_template,
+            tools or None,
+            prompt.chat_template_kwargs or None,
             stop_token_ids=stop_ids,
         )
-        prompt_ids = await asyncio.to_thread(self.tokens.prompt_ids, self.messages)
-        self.segments.append(Segment(SegmentSource.PROMPT, prompt_ids))
+        self.tool_sessions: dict[str, str] = {}
+        self.interaction_state: Any = None
+        self.step_rewards: list[float] = []
+        self.interaction_scores: list[float] = []
+
+    async def start(self) -> None:
+        prompt_ids = await asyncio.to_thread(self.tokens.prompt_ids, self.trajectory.messages)
+        self.trajectory.segments.append(Segment(SegmentSource.PROMPT, prompt_ids))
         if self.prompt.interaction_name:
             interaction = self.loop.interactions.get(self.prompt.interaction_name)
             if interaction is None:
@@ -188,15 +192,14 @@ class _Run:
             self.interaction_state = await interaction.start(**self.prompt.interaction_kwargs)
 
     async def turns(self) -> None:
-        assert self.tokens is not None
         for _ in range(self.limits.max_turns):
             if self.request_id in self.loop.aborted:
                 self.finish(FinishReason.ABORTED)
                 return
             metrics = TurnMetrics()
-            self.turn_metrics.append(metrics)
+            self.trajectory.turns.append(metrics)
             parsed = await self._model_turn(metrics)
-            if self.finish_reason is not None:
+            if self.trajectory.finish_reason is not None:
                 return
             if parsed.tool_calls or parsed.errors:
                 new_messages = await self._call_tools(parsed, metrics)
@@ -212,41 +215,42 @@ class _Run:
         self.finish(FinishReason.MAX_TURNS)
 
     async def _model_turn(self, metrics: TurnMetrics) -> ParsedTurn:
-        assert self.tokens is not None
-        model_room = self.limits.max_model_len - len(self.token_ids)
-        response_room = self.limits.max_response_length - self.response_length
+        trajectory = self.trajectory
+        token_ids = trajectory.token_ids
+        model_room = self.limits.max_model_len - len(token_ids)
+        response_room = self.limits.max_response_length - trajectory.response_length
         budget = min(self.limits.max_new_tokens, model_room, response_room)
         if budget <= 0:
             limit = model_room <= 0
             self.finish(FinishReason.MAX_MODEL_LEN if limit else FinishReason.MAX_RESPONSE_LENGTH)
             return ParsedTurn(content="", tool_calls=[], errors=[])
         started = time.monotonic()
-        engine_request_id = f"{self.request_id}/{self.trajectory_id}/{len(self.turn_metrics)}"
+        turn = len(trajectory.turns)
+        engine_request_id = f"{self.request_id}/{trajectory.trajectory_id}/{turn}"
         running = self.loop.engine_requests.setdefault(self.request_id, set())
         running.add(engine_request_id)
         try:
             output = await self.loop.engine.generate(
-                self.token_ids,
+                token_ids,
                 dataclasses.replace(self.sampling, max_new_tokens=budget, seed=self._turn_seed()),
                 request_id=engine_request_id,
-                session_id=self.trajectory_id,
+                session_id=trajectory.trajectory_id,
             )
         finally:
             running.discard(engine_request_id)
         metrics.generate_seconds = time.monotonic() - started
         metrics.generated_tokens = len(output.output_ids)
         self._append_model_segments(output.output_ids, output.logprobs, output.policy_versions)
-        # A turn cut short still joins the conversation: its text is what gets scored.
-        message = self.tokens.append_model_turn(output.output_ids)
-        self.messages.append(message)
-        if output.finish_reason is EngineFinish.ABORT:
-            self.finish(FinishReason.ABORTED)
+        text = self.tokens.model_turn_text(output.output_ids)
+        # A turn cut short still joins the conversation, as it was written: its text is what
+        # gets scored.
+        if output.finish_reason in (EngineFinish.ABORT, EngineFinish.LENGTH):
+            self._append_model_message(output.output_ids, {"role": "assistant", "content": text})
+            aborted = output.finish_reason is EngineFinish.ABORT
+            self.finish(FinishReason.ABORTED if aborted else self._length_reason())
             return ParsedTurn(content="", tool_calls=[], errors=[])
-        if output.finish_reason is EngineFinish.LENGTH:
-            self.finish(self._length_reason())
-            return ParsedTurn(content="", tool_calls=[], errors=[])
-        parsed = self.loop.parser(message.get("content") or "")
-        message["content"] = parsed.content
+        parsed = self.loop.parser(text)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.tool_calls:
             message["tool_calls"] = [
                 {
@@ -256,13 +260,18 @@ class _Run:
                 }
                 for call in parsed.tool_calls
             ]
+        self._append_model_message(output.output_ids, message)
         return parsed
+
+    def _append_model_message(self, output_ids: list[int], message: dict[str, Any]) -> None:
+        self.tokens.append_model_turn(output_ids, message)
+        self.trajectory.messages.append(message)
 
     def _length_reason(self) -> FinishReason:
         """Which limit a turn cut short by its token budget ran into."""
-        if len(self.token_ids) >= self.limits.max_model_len:
+        if len(self.trajectory.token_ids) >= self.limits.max_model_len:
             return FinishReason.MAX_MODEL_LEN
-        if self.response_length >= self.limits.max_response_length:
+        if self.trajectory.response_length >= self.limits.max_response_length:
             return FinishReason.MAX_RESPONSE_LENGTH
         return FinishReason.MAX_NEW_TOKENS
 
@@ -294,11 +303,8 @@ class _Run:
                 tool_pb2.ExecuteRequest(tool_name=name, arguments=arguments, session_id=session_id),
                 timeout=timeout,
             )
-        except grpc.aio.AioRpcError as e:
-            return (
-                f"Error: the tool service could not run {name!r}: {e.code().name}: {e.details()}",
-                True,
-            )
+        except RpcError as e:
+            return f"Error: the tool service could not run {name!r}: {e.status}: {e.details}", True
         result = reply.result
         if result.HasField("step_reward"):
             self.step_rewards.append(result.step_reward)
@@ -309,7 +315,7 @@ class _Run:
         the `n` samples of a prompt the same tokens."""
         if self.sampling.seed is None:
             return None
-        key = f"{self.sampling.seed}/{self.trajectory_id}/{len(self.turn_metrics)}"
+        key = f"{self.sampling.seed}/{self.trajectory.trajectory_id}/{len(self.trajectory.turns)}"
         return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") >> 1
 
     async def _tool_session(self, name: str) -> str:
@@ -332,7 +338,7 @@ class _Run:
             self.finish(FinishReason.STOP)
             return None
         interaction = self.loop.interactions[self.prompt.interaction_name]
-        reply = await interaction.respond(self.interaction_state, self.messages)
+        reply = await interaction.respond(self.interaction_state, self.trajectory.messages)
         self.interaction_scores.append(reply.score)
         if reply.terminate:
             self.finish(FinishReason.INTERACTION_TERMINATED)
@@ -342,23 +348,23 @@ class _Run:
     async def _append(self, messages: list[dict[str, Any]], source: SegmentSource) -> bool:
         """Appends non-model messages and the next generation prompt; False when that would
         pass a length limit (the trajectory then ends without them)."""
-        assert self.tokens is not None
+        trajectory = self.trajectory
         new_ids = await asyncio.to_thread(self.tokens.append_messages, messages)
-        if len(self.token_ids) + len(new_ids) >= self.limits.max_model_len:
+        if len(trajectory.token_ids) + len(new_ids) >= self.limits.max_model_len:
             self.finish(FinishReason.MAX_MODEL_LEN)
             return False
-        if self.response_length + len(new_ids) >= self.limits.max_response_length:
+        if trajectory.response_length + len(new_ids) >= self.limits.max_response_length:
             self.finish(FinishReason.MAX_RESPONSE_LENGTH)
             return False
-        self.messages.extend(messages)
+        trajectory.messages.extend(messages)
         generation_prompt = self.tokens.generation_prompt_ids
         if generation_prompt and new_ids[-len(generation_prompt) :] == generation_prompt:
             body, opener = new_ids[: -len(generation_prompt)], generation_prompt
         else:
             body, opener = new_ids, []
-        self.segments.append(Segment(source, body))
+        trajectory.segments.append(Segment(source, body))
         if opener:
-            self.segments.append(Segment(SegmentSource.TEMPLATE, list(opener)))
+            trajectory.segments.append(Segment(SegmentSource.TEMPLATE, list(opener)))
         return True
 
     def _append_model_segments(
@@ -368,7 +374,7 @@ class _Run:
         start = 0
         for end in range(1, len(ids) + 1):
             if end == len(ids) or versions[end] != versions[start]:
-                self.segments.append(
+                self.trajectory.segments.append(
                     Segment(
                         SegmentSource.MODEL, ids[start:end], logprobs[start:end], versions[start]
                     )
@@ -376,9 +382,9 @@ class _Run:
                 start = end
 
     def finish(self, reason: FinishReason, error_message: str = "") -> None:
-        if self.finish_reason is None:
-            self.finish_reason = reason
-            self.error_message = error_message
+        if self.trajectory.finish_reason is None:
+            self.trajectory.finish_reason = reason
+            self.trajectory.error_message = error_message
 
     async def release(self) -> None:
         """Releases the tool sessions, the interaction state and the engine's session cache."""
@@ -388,46 +394,29 @@ class _Run:
                     tool_pb2.ReleaseSessionRequest(session_id=session_id),
                     timeout=self.loop.tool_call_timeout_seconds,
                 )
-            except grpc.aio.AioRpcError as e:
-                log.warning("releasing tool session %s failed: %s", session_id, e.details())
+            except RpcError as e:
+                log.warning("releasing tool session %s failed: %s", session_id, e)
         if self.interaction_state is not None:
             await self.loop.interactions[self.prompt.interaction_name].finish(
                 self.interaction_state
             )
-        await self.loop.engine.end_session(self.trajectory_id)
+        await self.loop.engine.end_session(self.trajectory.trajectory_id)
 
-    @property
-    def token_ids(self) -> list[int]:
-        return [t for segment in self.segments for t in segment.token_ids]
-
-    @property
-    def response_length(self) -> int:
-        return len(self.token_ids) - len(self.segments[0].token_ids)
-
-    def trajectory(self, sample_index: int) -> Trajectory:
-        model_tokens = sum(
-            len(s.token_ids) for s in self.segments if s.source is SegmentSource.MODEL
-        )
-        metrics = {
-            "turns": float(len(self.turn_metrics)),
+    def finished(self) -> Trajectory:
+        """The trajectory with its summary metrics; one that never finished is an ERROR."""
+        trajectory = self.trajectory
+        assert trajectory.finish_reason is not None, "every way out of `turns` finishes it"
+        turns = trajectory.turns
+        model_tokens = sum(trajectory.loss_mask)
+        trajectory.metrics = {
+            "turns": float(len(turns)),
             "model_tokens": float(model_tokens),
-            "tool_calls": float(sum(t.tool_calls for t in self.turn_metrics)),
-            "tool_errors": float(sum(t.tool_errors for t in self.turn_metrics)),
+            "tool_calls": float(sum(t.tool_calls for t in turns)),
+            "tool_errors": float(sum(t.tool_errors for t in turns)),
             "tool_step_reward_sum": sum(self.step_rewards),
             "interaction_score_sum": sum(self.interaction_scores),
         }
-        return Trajectory(
-            trajectory_id=self.trajectory_id,
-            group_id=self.prompt.prompt_id,
-            sample_index=sample_index,
-            segments=self.segments,
-            messages=self.messages,
-            finish_reason=self.finish_reason or FinishReason.ERROR,
-            data_source=self.prompt.data_source,
-            error_message=self.error_message,
-            turns=self.turn_metrics,
-            metrics=metrics,
-        )
+        return trajectory
 
 
 def _final_text(messages: list[dict[str, Any]]) -> str:

@@ -4,7 +4,7 @@ where the tool and reward services are."""
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from turnrl.config import DEFAULT_PORTS, ClientConfig, ServerConfig, StrictModel
 
@@ -34,14 +34,16 @@ class RolloutConfig(StrictModel):
     )
     model_path: str | None = Field(
         default=None,
-        description="The policy model: a Hugging Face folder (weights, config, tokenizer). None: "
-        "the tiny calculator model of the config's `tiny_model` section, which `turnrl serve`, "
-        "`up` and `run` build on first use (minutes on two cores) and cache.",
+        description="The policy model: a Hugging Face folder (weights, config, tokenizer); the "
+        "service refuses to start without one. Null in a config file: `turnrl serve`, `up` and "
+        "`run` set it to the tiny calculator model of the config's `tiny_model` section "
+        "(turnrl_demo; built on first use, minutes on two cores, and cached).",
     )
     engine_options: dict[str, Any] = Field(
         default_factory=dict,
         description="Options of the engine, passed through and validated by it (HfEngineOptions, "
-        "SglangEngineOptions); the hf engine's model_path defaults to `model_path`.",
+        "SglangEngineOptions). The model and its context are `model_path` and `max_model_len`, "
+        "which the service hands to the engine; they are not engine options.",
     )
     tokenizer_path: str | None = Field(
         default=None, description="Tokenizer folder; None: the model's own folder."
@@ -54,7 +56,10 @@ class RolloutConfig(StrictModel):
         description="How tool calls are read from model text (hermes, llama3_json).",
     )
     max_model_len: int = Field(
-        default=2048, gt=0, description="Prompt plus response, in tokens: the engine's context."
+        default=2048,
+        gt=0,
+        description="Prompt plus response, in tokens: the engine's context. The engine refuses "
+        "a prompt this long and ends a generation that reaches it.",
     )
     max_response_length: int = Field(
         default=1024, gt=0, description="All tokens after the prompt, across turns, in tokens."
@@ -78,3 +83,16 @@ class RolloutConfig(StrictModel):
     interactions: list[InteractionEntry] = Field(
         default_factory=list, description="Simulated users, by name."
     )
+
+    @field_validator("engine_options")
+    @classmethod
+    def _no_rollout_settings(cls, options: dict[str, Any]) -> dict[str, Any]:
+        # Each setting in one place: the service hands model_path and max_model_len to the
+        # engine, so an engine option of that name would be a second copy.
+        repeated = sorted(options.keys() & cls.model_fields.keys())
+        if repeated:
+            raise ValueError(
+                f"engine_options sets {repeated!r}, which are rollout settings: set "
+                f"{', '.join(f'rollout.{name}' for name in repeated)} instead"
+            )
+        return options

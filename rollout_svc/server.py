@@ -3,8 +3,7 @@
 Errors are raised as `turnrl.errors` exceptions and mapped to status codes by `turnrl.rpc`.
 """
 
-import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from google.protobuf import duration_pb2, json_format
 
@@ -12,7 +11,7 @@ from rollout_svc.agent_loop import PromptSpec
 from rollout_svc.config import RolloutConfig
 from rollout_svc.engines.base import SamplingParams
 from rollout_svc.service import RolloutService
-from turnrl import rpc
+from turnrl import rpc, service_main
 from turnrl.errors import InvalidArgumentError
 from turnrl.messages import message_to_dict
 from turnrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -138,6 +137,12 @@ async def serve(config: RolloutConfig) -> None:
         await service.close()
 
 
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m rollout_svc`: serves the `rollout:` section of `--config F` with its overrides
+    (turnrl.service_main); `turnrl serve rollout` ends in `serve` too."""
+    service_main.run("rollout", serve, service_main.load_config("rollout", RolloutConfig, argv))
+
+
 def _prompt_spec(prompt: rollout_pb2.RolloutPrompt, index: int) -> PromptSpec:
     try:
         messages = [message_to_dict(m) for m in prompt.messages]
@@ -145,20 +150,10 @@ def _prompt_spec(prompt: rollout_pb2.RolloutPrompt, index: int) -> PromptSpec:
         raise InvalidArgumentError(f"prompts[{index}].messages: {e}") from None
     if not messages:
         raise InvalidArgumentError(f"prompts[{index}].messages is empty")
-    tools = []
-    for tool in prompt.tools:
-        try:
-            parameters = json.loads(tool.parameters_json or "{}")
-        except json.JSONDecodeError as e:
-            raise InvalidArgumentError(
-                f"prompts[{index}].tools {tool.name!r}: parameters_json is not JSON: {e.msg}"
-            ) from None
-        function = {"name": tool.name, "description": tool.description, "parameters": parameters}
-        tools.append({"type": "function", "function": function})
     return PromptSpec(
         prompt_id=prompt.prompt_id or f"prompt-{index}",
         messages=messages,
-        tools=tools,
+        tool_names=list(prompt.tool_names),
         tools_kwargs=json_format.MessageToDict(prompt.tools_kwargs),
         interaction_name=prompt.interaction_name,
         interaction_kwargs=json_format.MessageToDict(prompt.interaction_kwargs),

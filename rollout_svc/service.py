@@ -27,10 +27,10 @@ from rollout_svc.engines.base import Engine, SamplingParams
 from rollout_svc.interactions import INTERACTIONS
 from rollout_svc.interactions.base import Interaction
 from rollout_svc.parsers import PARSERS
+from rollout_svc.tool_schemas import ToolSchemas
 from rollout_svc.weight_sync import ChunkAssembler, WeightReceiver
 from turnrl import rpc
 from turnrl.errors import ConfigError, FailedPreconditionError, InvalidArgumentError
-from turnrl.tiny_model import build_tiny_model
 from turnrl.trajectory import Trajectory
 from turnrl.v1 import reward_pb2_grpc, tool_pb2_grpc
 from turnrl.weights import TensorMeta
@@ -42,11 +42,17 @@ class RolloutService:
     """Rolls out trajectories on one engine. Build with `await RolloutService.create(config)`."""
 
     def __init__(
-        self, config: RolloutConfig, engine: Engine, loop: AgentLoop, channels: list[Any]
+        self,
+        config: RolloutConfig,
+        engine: Engine,
+        loop: AgentLoop,
+        tool_schemas: ToolSchemas,
+        channels: list[Any],
     ) -> None:
         self._config = config
         self._engine = engine
         self._loop = loop
+        self._tool_schemas = tool_schemas
         self._channels = channels
         self._slots = asyncio.Semaphore(config.max_concurrent_trajectories)
         self._running: dict[str, set[asyncio.Task]] = {}
@@ -65,13 +71,15 @@ class RolloutService:
             raise ConfigError(
                 f"rollout.tool_parser {config.tool_parser!r} unknown; known: {sorted(PARSERS)}"
             )
-        model_path = config.model_path or str(await asyncio.to_thread(build_tiny_model))
+        model_path = config.model_path
+        if model_path is None:
+            raise ConfigError(
+                "rollout.model_path is null: set it to a Hugging Face folder (`turnrl serve`, "
+                "`up` and `run` set a null one to the config's tiny_model)"
+            )
         engine_class, options_class = ENGINES[config.engine]
-        engine_options = dict(config.engine_options)
-        if config.engine == "hf":
-            engine_options.setdefault("model_path", model_path)
         try:
-            options = options_class.model_validate(engine_options)
+            options = options_class.model_validate(config.engine_options)
         except ValidationError as e:
             raise ConfigError(f"rollout.engine_options: {e}") from None
         tokenizer_path = config.tokenizer_path or model_path
@@ -82,32 +90,38 @@ class RolloutService:
             else None
         )
         interactions = {entry.name: _build_interaction(entry) for entry in config.interactions}
-        engine = await engine_class.create(options)
+        engine = await engine_class.create(options, model_path, config.max_model_len)
         tool_channel = rpc.open_channel(config.tool_service)
         reward_channel = rpc.open_channel(config.reward_service)
+        tool_stub = tool_pb2_grpc.ToolServiceStub(tool_channel)
         loop = AgentLoop(
             engine=engine,
             tokenizer=tokenizer,
             chat_template=chat_template,
             parser=PARSERS[config.tool_parser],
-            tool_stub=tool_pb2_grpc.ToolServiceStub(tool_channel),
+            tool_stub=tool_stub,
             reward_stub=reward_pb2_grpc.RewardServiceStub(reward_channel),
             interactions=interactions,
             tool_call_timeout_seconds=config.tool_call_timeout_seconds,
         )
-        return cls(config, engine, loop, [tool_channel, reward_channel])
+        return cls(config, engine, loop, ToolSchemas(tool_stub), [tool_channel, reward_channel])
 
     def limits(
         self, max_model_len: int, max_response_length: int, max_new_tokens: int, max_turns: int
     ) -> RolloutLimits:
         """A call's limits, with 0 meaning the configured default; InvalidArgumentError when
-        they contradict each other."""
+        they contradict each other or pass the engine's context (`rollout.max_model_len`)."""
         limits = RolloutLimits(
             max_model_len=max_model_len or self._config.max_model_len,
             max_response_length=max_response_length or self._config.max_response_length,
             max_new_tokens=max_new_tokens or self._config.max_new_tokens,
             max_turns=max_turns or self._config.max_turns,
         )
+        if limits.max_model_len > self._config.max_model_len:
+            raise InvalidArgumentError(
+                f"max_model_len {limits.max_model_len} exceeds the engine's context, "
+                f"rollout.max_model_len {self._config.max_model_len}"
+            )
         if limits.max_new_tokens > limits.max_response_length:
             raise InvalidArgumentError(
                 f"max_new_tokens {limits.max_new_tokens} exceeds max_response_length "
@@ -129,26 +143,29 @@ class RolloutService:
         enable_scoring: bool,
         request_id: str = "",
     ) -> AsyncIterator[Trajectory]:
-        """Rolls out `n` samples of every prompt; yields each trajectory as it finishes."""
+        """Rolls out `n` samples of every prompt; yields each trajectory as it finishes.
+        Raises InvalidArgumentError, before any rollout, for a prompt that names a tool the
+        tool service does not serve."""
         if not prompts:
             raise InvalidArgumentError("prompts is empty")
         if n < 1:
             raise InvalidArgumentError(f"n must be at least 1, got {n}")
+        tools = [await self._tool_schemas.resolve(prompt.tool_names) for prompt in prompts]
         request_id = request_id or f"generate-{next(self._request_ids)}"
         if request_id in self._running:
             raise InvalidArgumentError(f"request_id {request_id!r} is already running")
         tasks: set[asyncio.Task] = set()
         self._running[request_id] = tasks
 
-        async def one(prompt: PromptSpec, index: int) -> Trajectory:
+        async def one(prompt: PromptSpec, prompt_tools: list[dict], index: int) -> Trajectory:
             async with self._slots:
                 return await self._loop.run(
-                    prompt, index, sampling, limits, enable_scoring, request_id
+                    prompt, prompt_tools, index, sampling, limits, enable_scoring, request_id
                 )
 
-        for prompt in prompts:
+        for prompt, prompt_tools in zip(prompts, tools, strict=True):
             for index in range(n):
-                tasks.add(asyncio.create_task(one(prompt, index)))
+                tasks.add(asyncio.create_task(one(prompt, prompt_tools, index)))
         try:
             for finished in asyncio.as_completed(list(tasks)):
                 trajectory = await finished

@@ -45,7 +45,8 @@ import httpx
 import torch
 
 from rollout_svc.engines.base import FinishReason, GenerateOutput, SamplingParams
-from rollout_svc.engines.sglang import SglangEngine, SglangEngineOptions, SglangLaunchOptions
+from rollout_svc.engines.sglang import SglangEngine, SglangEngineOptions
+from rollout_svc.engines.sglang_server import SglangLaunchOptions
 
 DEFAULT_SGLANG_ARGS = "--dtype bfloat16 --mem-fraction-static 0.5 --disable-cuda-graph"
 GROUP_NAME = "turnrl_gpu_check"
@@ -61,6 +62,8 @@ PROMPTS = (
 )
 LONG_PROMPT = "Tell a very long, detailed story about a lighthouse keeper, chapter by chapter."
 BUCKET_BYTES = 256 * 1024 * 1024
+# The engine's context (it refuses longer prompts); every prompt here is far shorter.
+MAX_MODEL_LEN = 8192
 
 
 @dataclass
@@ -414,13 +417,11 @@ async def run(args: argparse.Namespace) -> dict:
     }
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     prompts = [encode(tokenizer, prompt) for prompt in PROMPTS[: args.prompts]]
-    launch = SglangLaunchOptions(
-        model_path=args.model_path, port=args.port, extra_args=tuple(shlex.split(args.sglang_args))
-    )
+    launch = SglangLaunchOptions(port=args.port, extra_args=tuple(shlex.split(args.sglang_args)))
     options = SglangEngineOptions(launch=launch, startup_timeout_seconds=args.startup_timeout)
     progress(f"launching SGLang for {args.model_path} (this takes a minute or more)")
     started = time.monotonic()
-    engine = await SglangEngine.create(options)
+    engine = await SglangEngine.create(options, args.model_path, MAX_MODEL_LEN)
     summary["startup_seconds"] = round(time.monotonic() - started, 1)
     try:
         teacher_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"

@@ -1,4 +1,4 @@
-"""Rebuilds the tiny models that ship in `turnrl/tiny_models/`: the default settings' (the
+"""Rebuilds the tiny models that ship in `turnrl_demo/models/`: the default settings' (the
 tests' model) and `examples/calculator/config.yaml`'s `tiny_model` (the demo's), and removes
 shipped folders neither names any more. Run it after a change to what a build reads (the
 settings, the calculator data, the chat template, the builder), then commit the folders:
@@ -10,9 +10,9 @@ import logging
 import shutil
 
 from turnrl.config import REPO_ROOT
-from turnrl.tiny_model import SHIPPED_MODELS_DIR, build_tiny_model
-from turnrl.tiny_model_settings import TinyModelSettings
 from turnrl_cli.project_config import load_project_config
+from turnrl_demo.settings import TinyModelSettings
+from turnrl_demo.tiny_model import SHIPPED_MODELS_DIR, build_tiny_model
 
 DEMO_CONFIG = REPO_ROOT / "examples" / "calculator" / "config.yaml"
 
@@ -25,7 +25,11 @@ def main() -> None:
         if folder not in folders:
             shutil.rmtree(folder)
     for folder in sorted(folders):
-        folder.chmod(0o755)  # built as a private temp folder; the image's user reads it too
+        # Built as a private temp folder (and safetensors writes its file 0600): the image's
+        # user reads them too.
+        folder.chmod(0o755)
+        for path in folder.iterdir():
+            path.chmod(0o644)
         size = sum(path.stat().st_size for path in folder.iterdir())
         print(f"shipped {folder.relative_to(REPO_ROOT)} ({size / 2**20:.1f} MiB)")
 

@@ -17,8 +17,8 @@ from google.protobuf.descriptor import ServiceDescriptor
 from tests.fixture_files import FixturesUnavailableError, resolve_fixtures
 from turnrl import rpc
 from turnrl.config import REPO_ROOT, ServerConfig
-from turnrl.tiny_model import build_tiny_model
 from turnrl_cli.project_config import SERVICE_NAMES
+from turnrl_demo.tiny_model import build_tiny_model
 
 # Asyncio debug mode in every test loop and child service: slow callbacks (>100 ms) are reported.
 os.environ.setdefault("PYTHONASYNCIODEBUG", "1")
@@ -45,8 +45,9 @@ def fixtures() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    """The tests' tiny Qwen3 calculator model (`turnrl.tiny_model`'s default settings), which
-    ships in turnrl/tiny_models/."""
+    """The tests' tiny Qwen3 calculator model (`turnrl_demo.tiny_model`'s default settings),
+    which ships in turnrl_demo/models/. No service falls back to it: a test passes it as the
+    model path (`example_on_tiny_model`, `rollout.model_path`, `trainer.model_path`)."""
     return build_tiny_model()
 
 

@@ -157,16 +157,27 @@ async def test_run_reports_a_refused_run_and_stops_the_services(tmp_path, exampl
     assert "[trainer]" in stderr and "shutting down" in stderr
 
 
-async def test_each_service_package_runs_as_a_module():
+@pytest.mark.parametrize(
+    ("package", "service"),
+    [
+        ("tool_svc", "ToolService"),
+        ("reward_svc", "RewardService"),
+        ("rollout_svc", "RolloutService"),
+        ("trainer_svc", "TrainerService"),
+    ],
+)
+async def test_each_service_package_runs_as_a_module(package, service, tiny_model_dir):
+    # A service started alone reads its own section and resolves no null model_path.
+    model = [f"rollout.model_path={tiny_model_dir}"] if package == "rollout_svc" else []
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "rollout_svc", "--port", "0",
+        sys.executable, "-m", package, "--port", "0", *model,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     async with asyncio.timeout(60):
         line = (await process.stdout.readline()).decode()
         process.send_signal(signal.SIGTERM)
         await process.communicate()
-    assert line.startswith("serving RolloutService on 127.0.0.1:")
+    assert line.startswith(f"serving {service} on 127.0.0.1:")
     assert process.returncode == 0
 
 

@@ -1,7 +1,6 @@
-"""`python -m tool_svc [--config F] [--host H] [--port N] [key=value ...]`: `turnrl serve tool`."""
+"""`python -m tool_svc [--config F] [--host H] [--port N] [tool.key=value ...]`: serves the tool
+service from the `tool:` section of F (tool_svc.server.main)."""
 
-import sys
+from tool_svc.server import main
 
-from turnrl_cli.cli import main
-
-main(["serve", "tool", *sys.argv[1:]])
+main()

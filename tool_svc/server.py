@@ -6,13 +6,14 @@ Errors are raised as `turnrl.errors` exceptions and mapped to status codes by `t
 import asyncio
 import datetime
 import json
+from collections.abc import Sequence
 
 from google.protobuf import duration_pb2, json_format, timestamp_pb2
 
 from tool_svc.config import ToolConfig
 from tool_svc.service import ToolInfo, ToolService
 from tool_svc.tools.base import ToolResult
-from turnrl import rpc
+from turnrl import rpc, service_main
 from turnrl.errors import InvalidArgumentError
 from turnrl.v1 import common_pb2, tool_pb2, tool_pb2_grpc
 
@@ -86,6 +87,12 @@ async def serve(config: ToolConfig) -> None:
         )
     finally:
         await service.close()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m tool_svc`: serves the `tool:` section of `--config F` with its overrides
+    (turnrl.service_main); `turnrl serve tool` ends in `serve` too."""
+    service_main.run("tool", serve, service_main.load_config("tool", ToolConfig, argv))
 
 
 def _require(value: str, field: str) -> None:

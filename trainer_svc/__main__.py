@@ -1,7 +1,6 @@
-"""`python -m trainer_svc [--config F] [--host H] [--port N] [key=value ...]`: `turnrl serve trainer`."""
+"""`python -m trainer_svc [--config F] [--host H] [--port N] [trainer.key=value ...]`: serves the trainer
+service from the `trainer:` section of F (trainer_svc.server.main)."""
 
-import sys
+from trainer_svc.server import main
 
-from turnrl_cli.cli import main
-
-main(["serve", "trainer", *sys.argv[1:]])
+main()

@@ -2,6 +2,7 @@
 rollouts it asks for, the RL algorithm, the SFT batches, the optimizer and where the other
 services are."""
 
+import math
 from pathlib import Path
 from typing import Literal, Self
 
@@ -119,8 +120,8 @@ class RolloutRequestConfig(StrictModel):
     )
     tools: list[str] = Field(
         default_factory=lambda: ["calculator"],
-        description="Tools offered to the model, by name; their schemas come from the tool "
-        "service's ListTools.",
+        description="Tools offered to the model, by name; the rollout service renders their "
+        "schemas from the tool service it calls.",
     )
     timeout_seconds: float = Field(
         default=1800.0, gt=0, description="Deadline of one step's Generate call, in seconds."
@@ -268,6 +269,13 @@ class SftConfig(StrictModel):
         description="Longest conversation in tokens; a longer one fails the run, naming it.",
     )
 
+    def run_steps(self, steps: int, conversations: int) -> int:
+        """A run's optimizer steps: `epochs` passes over `conversations`, rounded up to whole
+        steps, or `steps` (trainer.steps) when epochs is not set."""
+        if self.epochs is None:
+            return steps
+        return math.ceil(self.epochs * conversations / self.conversations_per_step)
+
 
 class TrainerConfig(StrictModel):
     """Settings of the trainer service and of the run it is given."""
@@ -288,17 +296,18 @@ class TrainerConfig(StrictModel):
         default="rl",
         description="rl: the sync RL loop, through the rollout, tool and reward services. sft: "
         "supervised fine-tuning on written conversations (trainer.sft), in this service alone: "
-        "rollout_service, tool_service, rollout, algorithm and weight_sync are not used.",
+        "rollout_service, rollout, algorithm and weight_sync are not used.",
     )
     output_dir: Path = Field(
         default=Path("runs"), description="Runs are written to <output_dir>/<run name>/."
     )
     model_path: str | None = Field(
         default=None,
-        description="The initial policy, a Hugging Face folder; None: the tiny calculator model "
-        "of the config's `tiny_model` (`turnrl serve`, `up` and `run` resolve it), and in a "
-        "run submitted to a trainer service, the model that service was started with. Must be "
-        "the model the rollout service serves.",
+        description="The initial policy, a Hugging Face folder. Null: in a run submitted to a "
+        "trainer service, the model that service was started with (a run with neither fails "
+        "with a ConfigError); in a config file, `turnrl serve`, `up` and `run` set it to the "
+        "tiny calculator model of the config's `tiny_model` (turnrl_demo). Must be the model "
+        "the rollout service serves.",
     )
     steps: int = Field(
         default=20, gt=0, description="Training steps of the run (SFT: unless sft.epochs is set)."
@@ -316,10 +325,6 @@ class TrainerConfig(StrictModel):
     rollout_service: ClientConfig = Field(
         default_factory=lambda: ClientConfig(address=f"127.0.0.1:{DEFAULT_PORTS['rollout']}"),
         description="The rollout service; `turnrl up`/`run` fill in the one they started.",
-    )
-    tool_service: ClientConfig = Field(
-        default_factory=lambda: ClientConfig(address=f"127.0.0.1:{DEFAULT_PORTS['tool']}"),
-        description="The tool service, asked for tool schemas.",
     )
     data: DataConfig = Field(
         default_factory=DataConfig, description="Training and eval prompts or conversations."

@@ -1,7 +1,7 @@
 """The sync controller loop of one run: roll out, score, train, push weights, evaluate,
 checkpoint; repeat.
 
-    setup     model, data, tool schemas, weight-sync group; resume from the last checkpoint;
+    setup     model, data, weight-sync group; resume from the last checkpoint;
               push the starting weights so the engine serves exactly the trainer's policy
     step      rollout (Generate n samples per prompt, scored) -> [dynamic sampling refills]
               -> train (recompute logprobs [and values], advantages, PPO epochs over the
@@ -19,7 +19,6 @@ import time
 from dataclasses import replace
 from typing import Any
 
-import grpc
 import torch
 
 from trainer_svc.data import EpochSampler, PromptRecord, load_datasets
@@ -37,8 +36,8 @@ from trainer_svc.rl_step import (
 from trainer_svc.run_loop import FINAL_MODEL, ProgressEvent, RunLoop
 from trainer_svc.weight_push import WeightPusher
 from turnrl import rpc
-from turnrl.errors import ConfigError
-from turnrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, tool_pb2, tool_pb2_grpc
+from turnrl.trajectory import Trajectory
+from turnrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 logger = logging.getLogger(__name__)
 MIB = 1024 * 1024
@@ -60,12 +59,8 @@ class Controller(RunLoop):
         if state is not None:
             self.generator.set_state(state["generator"])
         self._open_report(state is not None, REWARD_PLOT)
-        async with (
-            rpc.open_channel(config.rollout_service) as rollout_channel,
-            rpc.open_channel(config.tool_service) as tool_channel,
-        ):
+        async with rpc.open_channel(config.rollout_service) as rollout_channel:
             self.rollout = rollout_pb2_grpc.RolloutServiceStub(rollout_channel)
-            self.tools = await self._tool_schemas(tool_pb2_grpc.ToolServiceStub(tool_channel))
             self.pusher = await WeightPusher.connect(
                 [self.rollout],
                 backend=config.weight_sync.backend,
@@ -117,12 +112,12 @@ class Controller(RunLoop):
         self.report.log(self.step, {**metrics, **timings})
         await self._evaluate_and_checkpoint_when_due()
 
-    async def _rollout(self) -> list[common_pb2.Trajectory]:
+    async def _rollout(self) -> list[Trajectory]:
         """One batch of scored trajectories; with dynamic sampling, groups that teach nothing
         are dropped and more prompts rolled out, up to `max_refills` times."""
         algorithm = self.config.algorithm
         wanted = self.config.rollout.prompts_per_step * self.config.rollout.samples_per_prompt
-        kept: list[common_pb2.Trajectory] = []
+        kept: list[Trajectory] = []
         for attempt in range(1 + (algorithm.max_refills if algorithm.dynamic_sampling else 0)):
             records = self.sampler.next_batch(self.config.rollout.prompts_per_step)
             found = await self._generate(records, f"step{self.step}.{attempt}", training=True)
@@ -139,9 +134,9 @@ class Controller(RunLoop):
 
     async def _generate(
         self, records: list[PromptRecord], tag: str, *, training: bool
-    ) -> list[common_pb2.Trajectory]:
+    ) -> list[Trajectory]:
         request_config = self.config.rollout
-        prompts = [r.to_proto(self.tools) for r in records]
+        prompts = [r.to_proto(self.config.rollout.tools) for r in records]
         for index, prompt in enumerate(prompts):
             prompt.prompt_id = f"{index}:{prompt.prompt_id}"  # a record may recur in a batch
         sampling = (
@@ -166,7 +161,7 @@ class Controller(RunLoop):
             request_id=f"{self.run_dir.name}/{tag}",
         )
         replies = self.rollout.Generate(request, timeout=request_config.timeout_seconds)
-        trajectories = [reply.trajectory async for reply in replies]
+        trajectories = [Trajectory.from_proto(reply.trajectory) async for reply in replies]
         # They stream back as they finish; a fixed order keeps mini-batches (and a resumed run)
         # reproducible.
         return sorted(trajectories, key=lambda t: t.trajectory_id)
@@ -202,26 +197,6 @@ class Controller(RunLoop):
         state["data_position"] = self.sampler.position
         state["generator"] = self.generator.get_state()
         await self._save_checkpoint(state)
-
-    async def _tool_schemas(self, tools: tool_pb2_grpc.ToolServiceStub) -> list:
-        wanted = self.config.rollout.tools
-        if not wanted:
-            return []
-        try:
-            reply = await tools.ListTools(tool_pb2.ListToolsRequest(), timeout=30)
-        except grpc.aio.AioRpcError as e:
-            raise ConfigError(
-                f"trainer.tool_service {self.config.tool_service.address}: ListTools failed: "
-                f"{e.code().name}: {e.details()}"
-            ) from None
-        served = {info.schema.name: info.schema for info in reply.tools}
-        missing = [name for name in wanted if name not in served]
-        if missing:
-            raise ConfigError(
-                f"trainer.rollout.tools names {missing}, which the tool service does not serve; "
-                f"it serves {sorted(served)}"
-            )
-        return [served[name] for name in wanted]
 
     def _summary(self, wall_seconds: float) -> dict[str, Any]:
         report = self.report

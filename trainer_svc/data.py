@@ -28,7 +28,7 @@ from turnrl.calculator_data import (
 )
 from turnrl.errors import ConfigError
 from turnrl.messages import ROLES_BY_NAME, dict_to_message
-from turnrl.v1 import common_pb2, rollout_pb2
+from turnrl.v1 import rollout_pb2
 
 CALCULATOR_DATA_SOURCE = "openai/gsm8k"
 Record = TypeVar("Record")
@@ -47,11 +47,11 @@ class PromptRecord:
     interaction_kwargs: dict[str, Any] = field(default_factory=dict)
     extra_info: dict[str, Any] = field(default_factory=dict)
 
-    def to_proto(self, tools: list[common_pb2.ToolSchema]) -> rollout_pb2.RolloutPrompt:
+    def to_proto(self, tool_names: list[str]) -> rollout_pb2.RolloutPrompt:
         prompt = rollout_pb2.RolloutPrompt(
             prompt_id=self.prompt_id,
             messages=[dict_to_message(m) for m in self.messages],
-            tools=tools,
+            tool_names=tool_names,
             data_source=self.data_source,
             interaction_name=self.interaction_name,
         )

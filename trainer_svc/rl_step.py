@@ -32,7 +32,7 @@ from trainer_svc.losses import (
     value_loss,
 )
 from trainer_svc.ranks import Models, share_of
-from turnrl.v1 import common_pb2
+from turnrl.trajectory import FinishReason, Trajectory
 
 
 @dataclass
@@ -42,25 +42,15 @@ class RolloutBatch:
     batch: Batch  # extras: rollout_logprobs
     rewards: Tensor  # (B,)
     group_index: Tensor  # (B,) long
-    trajectories: list[common_pb2.Trajectory]
+    trajectories: list[Trajectory]
 
 
-def rollout_batch(trajectories: list[common_pb2.Trajectory], pad_token_id: int) -> RolloutBatch:
+def rollout_batch(trajectories: list[Trajectory], pad_token_id: int) -> RolloutBatch:
     """Tensors of `trajectories`; each needs at least one model token (`trainable`)."""
-    token_ids, rollout_logprobs = [], []
-    for trajectory in trajectories:
-        ids: list[int] = []
-        logprobs: list[float] = []
-        for segment in trajectory.segments:
-            ids += segment.token_ids
-            is_model = segment.source == common_pb2.SEGMENT_SOURCE_MODEL
-            logprobs += list(segment.logprobs) if is_model else [0.0] * len(segment.token_ids)
-        token_ids.append(ids)
-        rollout_logprobs.append(logprobs)
     batch = Batch.from_sequences(
-        token_ids,
-        [list(t.loss_mask) for t in trajectories],
-        {"rollout_logprobs": rollout_logprobs},
+        [t.token_ids for t in trajectories],
+        [t.loss_mask for t in trajectories],
+        {"rollout_logprobs": [t.rollout_logprobs for t in trajectories]},
         pad_token_id,
     )
     return RolloutBatch(
@@ -71,25 +61,25 @@ def rollout_batch(trajectories: list[common_pb2.Trajectory], pad_token_id: int) 
     )
 
 
-def _rewards(trajectories: list[common_pb2.Trajectory]) -> Tensor:
+def _rewards(trajectories: list[Trajectory]) -> Tensor:
     return torch.tensor([t.reward.score for t in trajectories], dtype=torch.float32)
 
 
-def _group_index(trajectories: list[common_pb2.Trajectory]) -> Tensor:
+def _group_index(trajectories: list[Trajectory]) -> Tensor:
     """Each trajectory's group as 0, 1, ... in order of first appearance."""
     groups = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in trajectories))}
     return torch.tensor([groups[t.group_id] for t in trajectories])
 
 
-def trainable(trajectory: common_pb2.Trajectory) -> bool:
+def trainable(trajectory: Trajectory) -> bool:
     """A trajectory the loss can use: it holds model tokens and was not aborted or failed."""
     return any(trajectory.loss_mask) and trajectory.finish_reason not in (
-        common_pb2.FINISH_REASON_ABORTED,
-        common_pb2.FINISH_REASON_ERROR,
+        FinishReason.ABORTED,
+        FinishReason.ERROR,
     )
 
 
-def keep_groups_with_signal(trajectories: list[common_pb2.Trajectory]) -> list:
+def keep_groups_with_signal(trajectories: list[Trajectory]) -> list:
     """DAPO's dynamic sampling: the trajectories of groups whose rewards are not all equal."""
     if not trajectories:
         return []
@@ -296,11 +286,11 @@ def mini_batches(size: int, count: int, generator: torch.Generator) -> list[list
     return [order[i::count] for i in range(count) if order[i::count]]
 
 
-def rollout_metrics(trajectories: list[common_pb2.Trajectory]) -> dict[str, float]:
+def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     """Reward, accuracy, lengths, turns and tool use of a set of trajectories."""
     count = max(len(trajectories), 1)
     rewards = torch.tensor([t.reward.score for t in trajectories] or [0.0])
-    response_lengths = [sum(t.response_mask) for t in trajectories]
+    response_lengths = [t.response_length for t in trajectories]
     return {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()) if len(trajectories) > 1 else 0.0,
@@ -313,7 +303,7 @@ def rollout_metrics(trajectories: list[common_pb2.Trajectory]) -> dict[str, floa
     }
 
 
-def accurate(trajectory: common_pb2.Trajectory) -> bool:
+def accurate(trajectory: Trajectory) -> bool:
     """The scorer's `acc` when it reports one (GSM8K, math), else a positive reward."""
     extras = trajectory.reward.extras.fields
     if "acc" in extras:

@@ -18,7 +18,6 @@ from trainer_svc.config import TrainerConfig
 from trainer_svc.data import EpochSampler
 from trainer_svc.ranks import Ranks, restore, save_pretrained
 from trainer_svc.report import Plot, RunReport
-from turnrl.tiny_model import build_tiny_model
 
 FINAL_MODEL = "final_model"  # the last policy in Hugging Face format, beside summary.json
 
@@ -94,9 +93,10 @@ class RunLoop(abc.ABC):
         """What summary.json says about the run."""
 
     async def _model_and_tokenizer(self) -> tuple[str, Any]:
-        """The initial policy's folder (None in the config: the tiny calculator model) and its
-        tokenizer; sets `pad_token_id`."""
-        model_path = self.config.model_path or str(await asyncio.to_thread(build_tiny_model))
+        """The initial policy's folder (TrainerService.start_run made sure the run names one)
+        and its tokenizer; sets `pad_token_id`."""
+        model_path = self.config.model_path
+        assert model_path is not None, "StartRun refuses a run without a model"
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_path)
         self.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
         return model_path, tokenizer

@@ -1,15 +1,18 @@
-"""gRPC skin of the trainer service: proto -> TrainerService -> proto.
+"""gRPC skin of the trainer service: proto -> plain types, await TrainerService, plain -> proto.
 
 Errors are raised as `turnrl.errors` exceptions and mapped to status codes by `turnrl.rpc`.
 """
 
 import asyncio
+import os
 import signal
+import sys
+from collections.abc import Sequence
 
 from trainer_svc.config import TrainerConfig
 from trainer_svc.ranks import Ranks
-from trainer_svc.service import TrainerService
-from turnrl import rpc
+from trainer_svc.service import RunEvent, RunRecord, TrainerService
+from turnrl import rpc, service_main
 from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
 
 
@@ -23,18 +26,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         record = await self._service.start_run(
             request.config_yaml, request.run_name, request.resume
         )
-        return trainer_pb2.StartRunResponse(run=record.to_proto())
+        return trainer_pb2.StartRunResponse(run=_run_proto(record))
 
     async def GetRun(self, request, context):
-        return trainer_pb2.GetRunResponse(run=self._service.get_run(request.run_name).to_proto())
+        return trainer_pb2.GetRunResponse(run=_run_proto(self._service.get_run(request.run_name)))
 
     async def StreamProgress(self, request, context):
         async for event in self._service.stream_progress(request.run_name):
-            yield event
+            yield _event_proto(event)
 
     async def StopRun(self, request, context):
         record = await self._service.stop_run(request.run_name, request.save_checkpoint)
-        return trainer_pb2.StopRunResponse(run=record.to_proto())
+        return trainer_pb2.StopRunResponse(run=_run_proto(record))
 
     async def SaveCheckpoint(self, request, context):
         folder, step = await self._service.save_checkpoint(request.run_name)
@@ -64,3 +67,44 @@ async def serve(config: TrainerConfig) -> None:
     finally:
         await service.close()
         await ranks.close()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m trainer_svc`: serves the `trainer:` section of `--config F` with its
+    overrides (turnrl.service_main); `turnrl serve trainer` ends in `serve` too. With
+    `trainer.ranks` > 1 it becomes torchrun, which starts this command once per rank."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    config = service_main.load_config("trainer", TrainerConfig, argv)
+    if config.ranks > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        nproc = f"--nproc-per-node={config.ranks}"
+        os.execv(sys.executable, [*torchrun, nproc, "-m", "trainer_svc", *argv])
+    service_main.run("trainer", serve, config)
+
+
+def _run_proto(record: RunRecord) -> trainer_pb2.Run:
+    run = trainer_pb2.Run(
+        name=record.name,
+        state=trainer_pb2.Run.State.Value(record.state.value),
+        step=record.step,
+        total_steps=record.total_steps,
+        output_dir=str(record.output_dir),
+        error_message=record.error_message,
+        metrics=record.metrics,
+    )
+    run.start_time.FromNanoseconds(int(record.started * 1e9))
+    if record.ended is not None:
+        run.end_time.FromNanoseconds(int(record.ended * 1e9))
+    return run
+
+
+def _event_proto(event: RunEvent) -> trainer_pb2.StreamProgressResponse:
+    response = trainer_pb2.StreamProgressResponse(
+        state=trainer_pb2.Run.State.Value(event.state.value),
+        step=event.step,
+        stage=event.stage,
+        metrics=event.metrics,
+        message=event.message,
+    )
+    response.time.FromNanoseconds(int(event.time * 1e9))
+    return response

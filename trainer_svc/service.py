@@ -1,10 +1,13 @@
 """TrainerService: accepts runs, runs one at a time in a background task, keeps each run's
-state and progress events for GetRun and StreamProgress."""
+state and progress events for GetRun and StreamProgress. Plain types in and out; trainer_svc/
+server.py converts them to and from the wire."""
 
 import asyncio
 import contextlib
+import enum
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -25,13 +28,36 @@ from turnrl.errors import (
     InvalidArgumentError,
     NotFoundError,
 )
-from turnrl.v1 import trainer_pb2
 
 logger = logging.getLogger(__name__)
-State = trainer_pb2.Run.State
-ENDED = (State.STATE_SUCCEEDED, State.STATE_STOPPED, State.STATE_FAILED)
 # The loop of each `trainer.mode`.
 LOOPS: dict[str, type[RunLoop]] = {"rl": Controller, "sft": SftController}
+
+
+class RunState(enum.Enum):
+    """Where a run is. Each value is the name of its `turnrl.v1.Run.State`."""
+
+    STARTING = "STATE_STARTING"
+    RUNNING = "STATE_RUNNING"
+    STOPPING = "STATE_STOPPING"
+    SUCCEEDED = "STATE_SUCCEEDED"
+    STOPPED = "STATE_STOPPED"
+    FAILED = "STATE_FAILED"
+
+
+ENDED = (RunState.SUCCEEDED, RunState.STOPPED, RunState.FAILED)
+
+
+@dataclass(frozen=True)
+class RunEvent:
+    """One entry of a run's progress: a finished stage, or a change of state (stage "state")."""
+
+    state: RunState  # the run's state when the entry was made
+    step: int
+    stage: str  # setup, rollout, train, push, eval, checkpoint, done; or state
+    metrics: dict[str, float]
+    message: str
+    time: float  # seconds since the epoch
 
 
 @dataclass
@@ -41,30 +67,25 @@ class RunRecord:
     name: str
     output_dir: Path
     controller: RunLoop = field(init=False)
-    state: int = State.STATE_STARTING
-    started: float = field(default_factory=time.time)
-    ended: float | None = None
+    state: RunState = RunState.STARTING
+    started: float = field(default_factory=time.time)  # seconds since the epoch
+    ended: float | None = None  # seconds since the epoch; None while the run runs
     error_message: str = ""
-    metrics: dict[str, float] = field(default_factory=dict)
-    events: list[trainer_pb2.StreamProgressResponse] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)  # the latest value of each
+    events: list[RunEvent] = field(default_factory=list)
     # Set when an event is added, then replaced: a waiter holds the one it saw.
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
 
-    def to_proto(self) -> trainer_pb2.Run:
-        run = trainer_pb2.Run(
-            name=self.name,
-            state=self.state,
-            step=self.controller.step,
-            total_steps=self.controller.total_steps,
-            output_dir=str(self.output_dir),
-            error_message=self.error_message,
-            metrics=self.metrics,
-        )
-        run.start_time.FromNanoseconds(int(self.started * 1e9))
-        if self.ended is not None:
-            run.end_time.FromNanoseconds(int(self.ended * 1e9))
-        return run
+    @property
+    def step(self) -> int:
+        """Steps finished so far."""
+        return self.controller.step
+
+    @property
+    def total_steps(self) -> int:
+        """Steps the run will take unless stopped."""
+        return self.controller.total_steps
 
 
 class TrainerService:
@@ -83,6 +104,12 @@ class TrainerService:
     async def start_run(self, config_yaml: str, run_name: str, resume: bool) -> RunRecord:
         config = _trainer_config(config_yaml)
         if config.model_path is None:
+            if self._model_path is None:
+                raise InvalidArgumentError(
+                    "trainer.model_path is null and this trainer service was started without a "
+                    "model: set trainer.model_path to a Hugging Face folder (`turnrl serve`, "
+                    "`up` and `run` set a null one to the config's tiny_model)"
+                )
             config = config.model_copy(update={"model_path": self._model_path})
         name = run_name or config.run_name
         running = [r.name for r in self._runs.values() if r.state not in ENDED]
@@ -115,7 +142,7 @@ class TrainerService:
             raise NotFoundError(f"no run {name!r}; known: {sorted(self._runs)}")
         return record
 
-    async def stream_progress(self, name: str):
+    async def stream_progress(self, name: str) -> AsyncIterator[RunEvent]:
         """Every event of the run from its start, then new ones until it ends."""
         record = self.get_run(name)
         sent = 0
@@ -138,16 +165,16 @@ class TrainerService:
         if save_checkpoint:
             self._request_checkpoint(record)
         record.controller.request_stop()
-        self._set_state(record, State.STATE_STOPPING)
+        self._set_state(record, RunState.STOPPING)
         assert record.task is not None
         await asyncio.shield(record.task)
         return record
 
     async def save_checkpoint(self, name: str) -> tuple[Path, int]:
         record = self.get_run(name)
-        if record.state not in (State.STATE_RUNNING, State.STATE_STOPPING):
+        if record.state not in (RunState.RUNNING, RunState.STOPPING):
             raise FailedPreconditionError(
-                f"run {name!r} is {State.Name(record.state)}; only a running run checkpoints"
+                f"run {name!r} is {record.state.value}; only a running run checkpoints"
             )
         return await self._request_checkpoint(record)
 
@@ -168,11 +195,11 @@ class TrainerService:
         try:
             await record.controller.run(resume)
             stopped = record.controller.step < record.controller.total_steps
-            self._set_state(record, State.STATE_STOPPED if stopped else State.STATE_SUCCEEDED)
+            self._set_state(record, RunState.STOPPED if stopped else RunState.SUCCEEDED)
         except Exception as e:  # a failed run is reported to its callers, not raised here
             logger.exception("run %s failed", record.name)
             record.error_message = f"{type(e).__name__}: {e}"
-            self._set_state(record, State.STATE_FAILED, record.error_message)
+            self._set_state(record, RunState.FAILED, record.error_message)
         finally:
             for request in record.controller.checkpoint_requests:
                 if not request.done.done():
@@ -182,36 +209,32 @@ class TrainerService:
 
     def _on_event(self, record: RunRecord, event: ProgressEvent) -> None:
         record.metrics.update(event.metrics)
-        if record.state == State.STATE_STARTING and event.stage == "setup":
-            record.state = State.STATE_RUNNING
-        response = trainer_pb2.StreamProgressResponse(
-            state=record.state,
-            step=event.step,
-            stage=event.stage,
-            metrics=event.metrics,
-            message=event.message,
+        if record.state == RunState.STARTING and event.stage == "setup":
+            record.state = RunState.RUNNING
+        _publish(
+            record,
+            RunEvent(
+                record.state,
+                event.step,
+                event.stage,
+                dict(event.metrics),
+                event.message,
+                time.time(),
+            ),
         )
-        response.time.GetCurrentTime()
-        _publish(record, response)
 
-    def _set_state(self, record: RunRecord, state: int, message: str = "") -> None:
+    def _set_state(self, record: RunRecord, state: RunState, message: str = "") -> None:
         if record.state in ENDED:
             return
         record.state = state
+        now = time.time()
         if state in ENDED:
-            record.ended = time.time()
-        response = trainer_pb2.StreamProgressResponse(
-            state=state,
-            step=record.controller.step,
-            stage="state",
-            message=message or State.Name(state),
-        )
-        response.time.GetCurrentTime()
-        _publish(record, response)
+            record.ended = now
+        _publish(record, RunEvent(state, record.step, "state", {}, message or state.value, now))
 
 
-def _publish(record: RunRecord, response: trainer_pb2.StreamProgressResponse) -> None:
-    record.events.append(response)
+def _publish(record: RunRecord, event: RunEvent) -> None:
+    record.events.append(event)
     record.wakeup.set()
     record.wakeup = asyncio.Event()
 

@@ -13,18 +13,21 @@ tool or reward service, no weight push.
 Micro-batching, the LR schedule and gradient clipping are `FsdpPolicy.train_step`'s, as in RL;
 stop and checkpoint requests, the report and the end of the run are `RunLoop`'s. On several
 ranks each trains on its share of a step's conversations (`sft_step` runs on every rank).
+`sft_in_process` takes the same steps in a plain process, without a service, report or
+checkpoint: the tiny demo model's fine-tuning (turnrl_demo.tiny_model).
 """
 
 import asyncio
-import math
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jinja2
 import torch
 from torch import Tensor
 
-from trainer_svc.config import TrainSettings
+from trainer_svc.config import SftConfig, TrainSettings
 from trainer_svc.data import ConversationRecord, EpochSampler, load_conversations
 from trainer_svc.fsdp import Batch, FsdpPolicy
 from trainer_svc.ranks import Models, checkpoint_state, share_of
@@ -88,6 +91,34 @@ def sft_step(models: Models, batch: Batch) -> dict[str, float]:
     return models.policy.train_step(share_of(models, batch, rows), sft_loss)
 
 
+def sft_in_process(
+    model_path: str | Path,
+    examples: list[Example],
+    pad_token_id: int,
+    *,
+    sft: SftConfig,
+    optim: TrainSettings,
+    steps: int,
+    seed: int,
+    on_step: Callable[[int, int, dict[str, float]], None] | None = None,
+) -> Models:
+    """Fine-tunes the model in `model_path` on `examples` in this process, on one rank, with
+    the steps of an SFT run (`SftController`): the examples in a new shuffled order each epoch
+    (`EpochSampler`), `sft.conversations_per_step` a step, `sft_step` under `optim`'s schedule over
+    `sft.run_steps(steps, ...)` steps. No report, evaluation or checkpoint. Calls
+    `on_step(step, total_steps, metrics)` after each step (from 1); returns the trained models
+    (on one rank, `models.policy.model` is the whole model). Blocks for the whole run."""
+    sampler = EpochSampler(examples, seed, shuffle=True)
+    total_steps = sft.run_steps(steps, len(examples))
+    models = sft_models(str(model_path), optim.for_run(total_steps))
+    for step in range(1, total_steps + 1):
+        batch = examples_batch(sampler.next_batch(sft.conversations_per_step), pad_token_id)
+        metrics = sft_step(models, batch)
+        if on_step is not None:
+            on_step(step, total_steps, metrics)
+    return models
+
+
 def held_out_loss(models: Models, batch: Batch) -> float:
     """Cross-entropy per loss token over the conversations of `batch` (every rank)."""
     logprobs, _ = models.policy.logprobs(batch)
@@ -114,9 +145,7 @@ class SftController(RunLoop):
             tokenize_conversations, tokenizer, held_out, max_length
         )
         self.sampler = EpochSampler(self.train_examples, config.seed, config.data.shuffle)
-        if config.sft.epochs is not None:
-            per_epoch = len(self.train_examples) / config.sft.conversations_per_step
-            self.total_steps = math.ceil(config.sft.epochs * per_epoch)
+        self.total_steps = config.sft.run_steps(config.steps, len(self.train_examples))
         optim = config.optim.for_run(self.total_steps)
         await self.ranks.build(sft_models, model_path, optim)
         resumed = resume and await self._restore_checkpoint() is not None

@@ -20,12 +20,11 @@ from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Self
 
-import grpc
 import torch
 import torch.distributed as dist
 from google.protobuf import duration_pb2
 
-from turnrl import errors, rpc
+from turnrl import errors
 from turnrl.v1 import rollout_pb2, rollout_pb2_grpc
 from turnrl.weights import BucketedWeights
 
@@ -39,8 +38,6 @@ BACKENDS = {
 CHUNK_SIZE_BYTES = 4 * 1024 * 1024
 # Deadline of Pause and Resume; Pause returns at the engine's next decode step.
 CONTROL_TIMEOUT_SECONDS = 30.0
-# A replica's status code as the turnrl error its service raised (the first entry of a code wins).
-ERROR_BY_STATUS = {code: error for error, code in reversed(rpc.STATUS_BY_ERROR.items())}
 
 
 @dataclass(frozen=True)
@@ -268,7 +265,7 @@ async def _all(calls: Iterable[Awaitable[Any]]) -> list[Any]:
 def _replies(results: list[Any]) -> list[Any]:
     """The results of one call per replica; raises the first failure, as `_replica_error`."""
     for index, result in enumerate(results):
-        if isinstance(result, grpc.aio.AioRpcError):
+        if isinstance(result, errors.RpcError):
             raise _replica_error(index, result) from result
         if isinstance(result, BaseException):
             raise result
@@ -276,8 +273,13 @@ def _replies(results: list[Any]) -> list[Any]:
 
 
 def _replica_error(index: int, error: BaseException) -> BaseException:
-    """A replica's gRPC error as the turnrl error its service raised, naming the replica."""
-    if not isinstance(error, grpc.aio.AioRpcError):
+    """A replica's failed call as the same `errors.RpcError`, naming the replica."""
+    if not isinstance(error, errors.RpcError):
         return error
-    error_type = ERROR_BY_STATUS.get(error.code(), errors.TurnrlError)
-    return error_type(f"rollout replica {index}: {error.code().name}: {error.details()}")
+    return type(error)(
+        f"rollout replica {index}: {error.status}: {error.details}",
+        method=error.method,
+        address=error.address,
+        status=error.status,
+        details=error.details,
+    )

@@ -35,9 +35,8 @@ from turnrl.config import StrictModel
 Split = Literal["train", "test"]
 
 SYSTEM_PROMPT = "Solve the problem with the calculator tool. End with '#### <answer>'."
-# The schema tool_svc's `calculator` serves (tool_svc/tools/calculator.py; turnrl may not
-# import tool_svc). The model learns the system prompt this renders, so the two must agree;
-# tests/rollout_svc/test_tiny_model.py checks that they do.
+# The calculator tool's schema, the one place it is written: tool_svc's `calculator` serves it
+# and the problems' conversations render it, so the model learns the schema it is shown.
 CALCULATOR_TOOL: dict[str, Any] = {
     "type": "function",
     "function": {

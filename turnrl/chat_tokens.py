@@ -4,7 +4,8 @@ they came out, and everything else is tokenized as a difference of chat-template
 The rules (DESIGN.md, "The trajectory is the unit of truth"):
 
 - **Model turns are never re-tokenized.** `append_model_turn` records the engine's output ids,
-  which end with the token the model stopped on (`<|im_end|>` for Qwen).
+  which end with the token the model stopped on (`<|im_end|>` for Qwen), with the assistant
+  message the caller made of them (`model_turn_text`, then its own tool-call parsing).
 - **New messages are a difference against a fixed base.** For tool results or a user turn M after
   a model turn A, `append_messages` renders `BASE_MESSAGES + [A] + M` with the generation prompt
   and keeps what follows A's stop token. The real history is never rendered again: templates
@@ -40,6 +41,8 @@ model turns still comes from `append_messages`, so a fine-tuning sequence is the
 policy that wrote exactly those assistant messages. `conversation_ids_and_loss_mask` does this
 for a whole conversation.
 
+The conversation's messages are the caller's (the rollout's `Trajectory` holds them): an
+instance keeps only the last model turn, the one thing the next difference is rendered from.
 Every call is synchronous CPU work (jinja plus the tokenizer: `append_messages` renders twice,
 about 7 ms with ten tool schemas and a 2 KB tool result), so async callers run it with
 `asyncio.to_thread`. One instance per trajectory; not thread-safe.
@@ -49,10 +52,14 @@ import hashlib
 import inspect
 import itertools
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from turnrl.errors import FailedPreconditionError, InvalidArgumentError
 
+# turnrl's own ChatML template (tools in the system turn, hermes `<tool_call>` JSON, each tool
+# result its own turn), prefix-preserving by construction; the tiny demo model carries it.
+CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 # What every difference is taken after: one plain user message, which every template renders
 # the same whatever follows (a system message would not do: vLLM's Mistral template writes it
 # into the newest user message only).
@@ -63,7 +70,7 @@ NON_MODEL_ROLES = frozenset({"system", "user", "tool"})
 
 class ConversationTokens:
     """The token ids of one conversation, built turn by turn: `prompt_ids` once, then
-    `append_model_turn` and `append_messages` alternating.
+    `append_model_turn` (or `append_assistant_message`) and `append_messages` alternating.
 
     `tokenizer` is a transformers tokenizer (5.24 or newer, for `sanitize_control_tokens`);
     `chat_template` is jinja source, or None for the tokenizer's own; `tools` are OpenAI tool
@@ -100,9 +107,9 @@ class ConversationTokens:
         self._stop_token_ids = frozenset(stop_token_ids)
         if not self._stop_token_ids or None in self._stop_token_ids:
             raise InvalidArgumentError(f"stop_token_ids {stop_token_ids!r} must name token ids")
-        # Messages so far, model turns as recorded; the base of the next difference is its last.
-        self.messages: list[dict] = []
-        # The ids of the last model turn until messages follow it; None while a model turn is due.
+        # The last model turn's message, which the next difference is rendered after, and its
+        # ids until messages follow it (None while a model turn is due).
+        self._model_message: dict | None = None
         self._model_turn_ids: list[int] | None = None
         # Renders of BASE_MESSAGES alone and of the generation prompt after them, made once by
         # `prompt_ids`: every difference starts from them.
@@ -111,7 +118,7 @@ class ConversationTokens:
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The ids of the first prompt: `messages` rendered with the generation prompt."""
-        if self.messages:
+        if self._generation_prompt_ids is not None:
             raise FailedPreconditionError("prompt_ids was called already for this conversation")
         if not messages:
             raise InvalidArgumentError("the prompt needs at least one message, got []")
@@ -121,7 +128,6 @@ class ConversationTokens:
         prompted_ids = self._render(list(BASE_MESSAGES), add_generation_prompt=True)
         self._require_prefix(self._base_ids, prompted_ids, "the generation prompt")
         self._generation_prompt_ids = prompted_ids[len(self._base_ids) :]
-        self.messages = list(messages)
         return ids
 
     @property
@@ -132,21 +138,25 @@ class ConversationTokens:
             raise FailedPreconditionError("generation_prompt_ids is known after prompt_ids")
         return list(self._generation_prompt_ids)
 
-    def append_model_turn(self, output_ids: list[int]) -> dict:
-        """Records the engine's `output_ids` for this turn, as they are, and returns the assistant
-        message that stands for them in the conversation: the decoded ids (special tokens kept)
-        without the stop token. The dict is the conversation's own: a caller that parses tool
-        calls updates it in place (`content`, `tool_calls`) before `append_messages`, which
-        renders it.
-        """
-        self._require_model_turn_due("append_model_turn")
+    def model_turn_text(self, output_ids: list[int]) -> str:
+        """The text of a model turn: its ids decoded (special tokens kept) without the stop
+        token it ended on."""
         if not output_ids:
             raise InvalidArgumentError("a model turn needs at least one output id, got []")
         text_ids = output_ids[:-1] if self._ends_turn(output_ids) else output_ids
-        message = {"role": "assistant", "content": self._tokenizer.decode(text_ids)}
-        self.messages.append(message)
+        return self._tokenizer.decode(text_ids)
+
+    def append_model_turn(self, output_ids: list[int], message: dict) -> None:
+        """Records the engine's `output_ids` for this turn, as they are, and the assistant
+        `message` that stands for them in the conversation (`model_turn_text`, with the tool
+        calls parsed out of it), which `append_messages` renders them as."""
+        self._require_model_turn_due("append_model_turn")
+        if not output_ids:
+            raise InvalidArgumentError("a model turn needs at least one output id, got []")
+        if message.get("role") != "assistant":
+            raise InvalidArgumentError(f"expected an assistant message, got {message!r}")
+        self._model_message = message
         self._model_turn_ids = list(output_ids)
-        return message
 
     def append_assistant_message(self, message: dict) -> list[int]:
         """Records the assistant `message` as this model turn and returns the ids a model writes
@@ -172,7 +182,7 @@ class ConversationTokens:
                 f"{self._template_name()} ends an assistant message with none of the stop tokens "
                 f"{sorted(self._stop_token_ids)}; a model cannot write it as one turn"
             )
-        self.messages.append(message)
+        self._model_message = message
         self._model_turn_ids = rendered_ids[len(opening_ids) : stop_at + 1]
         return list(self._model_turn_ids)
 
@@ -201,12 +211,11 @@ class ConversationTokens:
         new_ids = self._ids_after_model_turn(
             messages, add_generation_prompt=True, what=f"messages with roles {roles!r}"
         )
-        self.messages.extend(messages)
         self._model_turn_ids = None
         return new_ids
 
     def _require_model_turn_due(self, method: str) -> None:
-        if not self.messages:
+        if self._generation_prompt_ids is None:
             raise FailedPreconditionError(f"{method} before prompt_ids")
         if self._model_turn_ids is not None:
             raise FailedPreconditionError(
@@ -219,7 +228,7 @@ class ConversationTokens:
         """What the template writes after the last model turn's stop token when `messages`
         (described by `what`) follow it: the render of `BASE_MESSAGES`, that turn and them,
         from that stop token's first copy past the base on."""
-        assert self._model_turn_ids is not None
+        assert self._model_turn_ids is not None and self._model_message is not None
         stop_id = self._model_turn_ids[-1]
         if not self._ends_turn(self._model_turn_ids):
             raise FailedPreconditionError(
@@ -228,7 +237,7 @@ class ConversationTokens:
                 "continue after it"
             )
         extended_ids = self._render(
-            [*BASE_MESSAGES, self.messages[-1], *messages], add_generation_prompt
+            [*BASE_MESSAGES, self._model_message, *messages], add_generation_prompt
         )
         self._require_prefix(self._base_ids, extended_ids, what)
         try:

@@ -1,10 +1,13 @@
 """gRPC plumbing for the four services and their clients: one server bootstrap (health,
 reflection, TLS, bearer-token auth, error-to-status mapping, graceful shutdown), one channel
-factory (keepalive, default deadline, token), and retries for idempotent calls.
+factory (keepalive, default deadline, token, status-to-error mapping), and retries for
+idempotent calls.
 
-Besides the services' `server.py` files, this is the only turnrl module that imports grpc for
-serving; service logic raises `turnrl.errors` exceptions and `StatusMappingInterceptor` turns
-them into status codes, so no servicer needs a try/except.
+Besides the services' `server.py` files, this is the only turnrl module that imports grpc:
+service logic raises `turnrl.errors` exceptions and `StatusMappingInterceptor` turns them into
+status codes, so no servicer needs a try/except; on the calling side the channels of
+`open_channel` raise a failed call as the `errors.RpcError` of its status
+(`RPC_ERROR_BY_STATUS`), so no caller catches grpc's own error.
 """
 
 import asyncio
@@ -40,15 +43,23 @@ STATUS_BY_ERROR: dict[type[errors.TurnrlError], grpc.StatusCode] = {
     errors.DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.UnavailableError: grpc.StatusCode.UNAVAILABLE,
 }
+# What a call through `open_channel` raises for each status; errors.RpcError for the others.
+RPC_ERROR_BY_STATUS: dict[grpc.StatusCode, type[errors.RpcError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.RpcInvalidArgumentError,
+    grpc.StatusCode.NOT_FOUND: errors.RpcNotFoundError,
+    grpc.StatusCode.ALREADY_EXISTS: errors.RpcAlreadyExistsError,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.RpcFailedPreconditionError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.RpcResourceExhaustedError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.RpcDeadlineExceededError,
+    grpc.StatusCode.UNAVAILABLE: errors.RpcUnavailableError,
+}
 # Health checks answer without a token, so load balancers and `turnrl up` can probe a service.
 UNAUTHENTICATED_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 # Servers accept client keepalive pings this often (clients ping every `keepalive_seconds`).
 MIN_CLIENT_PING_INTERVAL_MS = 5_000
 
 
-# ---------------------------------------------------------------------------------------------
-# Server
-# ---------------------------------------------------------------------------------------------
+# ---------------------------------------- Server --------------------------------------------
 
 
 @dataclass
@@ -278,14 +289,17 @@ def _replace_behavior(handler: grpc.RpcMethodHandler, behavior: Callable) -> grp
     return handler._replace(**{kind: behavior})
 
 
-# ---------------------------------------------------------------------------------------------
-# Client
-# ---------------------------------------------------------------------------------------------
+# ---------------------------------------- Client --------------------------------------------
 
 
 def open_channel(config: ClientConfig, *, token: str | None = None) -> grpc.aio.Channel:
     """A channel to `config.address` with keepalive, TLS when configured, a default deadline
-    on unary calls that set none, and the bearer token (`token`, else `config.auth_token()`)."""
+    on unary calls that set none, and the bearer token (`token`, else `config.auth_token()`).
+
+    A call that fails raises the `errors.RpcError` of its status (`RPC_ERROR_BY_STATUS`), naming
+    the method, the address, the status and the server's details: a unary call when awaited, a
+    streaming one while its responses are read.
+    """
     token = token if token is not None else config.auth_token()
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -297,14 +311,10 @@ def open_channel(config: ClientConfig, *, token: str | None = None) -> grpc.aio.
     ]
     if config.tls_server_name:
         options.append(("grpc.ssl_target_name_override", config.tls_server_name))
-    interceptors: list[grpc.aio.ClientInterceptor] = [
-        DefaultDeadlineInterceptor(config.timeout_seconds)
+    interceptors = [
+        kind(config.address, token, config.timeout_seconds)
+        for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)
     ]
-    if token:
-        interceptors += [
-            cls(token)
-            for cls in (_TokenUnaryUnary, _TokenUnaryStream, _TokenStreamUnary, _TokenStreamStream)
-        ]
     if config.tls_ca_file is None:
         return grpc.aio.insecure_channel(config.address, options=options, interceptors=interceptors)
     credentials = grpc.ssl_channel_credentials(
@@ -317,49 +327,92 @@ def open_channel(config: ClientConfig, *, token: str | None = None) -> grpc.aio.
     )
 
 
-class DefaultDeadlineInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
-    """Gives every unary call without a timeout the configured one: no call waits forever.
+class _ChannelInterceptor:
+    """What every call on an `open_channel` channel gets: the bearer token when there is one,
+    and its failure raised as the `errors.RpcError` of its status. grpc wants one interceptor
+    per kind of call; the four below share this."""
 
-    Streaming calls (Generate, StreamProgress) run as long as their work and pass their own.
-    """
-
-    def __init__(self, timeout_seconds: float) -> None:
+    def __init__(self, address: str, token: str | None, timeout_seconds: float) -> None:
+        self._address = address
+        self._header = ("authorization", f"Bearer {token}") if token else None
         self._timeout_seconds = timeout_seconds
 
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
-        if client_call_details.timeout is None:
-            client_call_details = client_call_details._replace(timeout=self._timeout_seconds)
-        return await continuation(client_call_details, request)
-
-
-class _TokenInterceptor:
-    def __init__(self, token: str) -> None:
-        self._header = ("authorization", f"Bearer {token}")
-
     def _with_token(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        if self._header is None:
+            return details
         metadata = grpc.aio.Metadata(*(details.metadata or ()))
         metadata.add(*self._header)
         return details._replace(metadata=metadata)
 
+    def _error(
+        self, error: grpc.aio.AioRpcError, call: grpc.aio.ClientCallDetails
+    ) -> errors.RpcError:
+        method = call.method.decode() if isinstance(call.method, bytes) else call.method
+        status, details = error.code().name, error.details() or ""
+        message = f"{method} at {self._address} failed: {status}: {details}"
+        error_type = RPC_ERROR_BY_STATUS.get(error.code(), errors.RpcError)
+        return error_type(
+            message, method=method, address=self._address, status=status, details=details
+        )
 
-class _TokenUnaryUnary(_TokenInterceptor, grpc.aio.UnaryUnaryClientInterceptor):
+    async def _responses(self, call: Any, details: grpc.aio.ClientCallDetails) -> AsyncIterator:
+        try:
+            async for response in call:
+                yield response
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e, details) from e
+
+
+class _UnaryUnary(_ChannelInterceptor, grpc.aio.UnaryUnaryClientInterceptor):
+    """Also gives a call without a timeout the channel's: no unary call waits forever.
+    Streaming calls (Generate, StreamProgress) run as long as their work and pass their own."""
+
     async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(self._with_token(client_call_details), request)
+        if client_call_details.timeout is None:
+            client_call_details = client_call_details._replace(timeout=self._timeout_seconds)
+        call = await continuation(self._with_token(client_call_details), request)
+        try:
+            await call
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e, client_call_details) from e
+        return call  # done: awaiting it again returns its response
 
 
-class _TokenUnaryStream(_TokenInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+class _UnaryStream(_ChannelInterceptor, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(self._with_token(client_call_details), request)
+        call = await continuation(self._with_token(client_call_details), request)
+        return self._responses(call, client_call_details)
 
 
-class _TokenStreamUnary(_TokenInterceptor, grpc.aio.StreamUnaryClientInterceptor):
+class _StreamUnary(_ChannelInterceptor, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return await continuation(self._with_token(client_call_details), request_iterator)
+        call = await continuation(self._with_token(client_call_details), request_iterator)
+        return _StreamUnaryCall(call, lambda e: self._error(e, client_call_details))
 
 
-class _TokenStreamStream(_TokenInterceptor, grpc.aio.StreamStreamClientInterceptor):
+class _StreamStream(_ChannelInterceptor, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return await continuation(self._with_token(client_call_details), request_iterator)
+        call = await continuation(self._with_token(client_call_details), request_iterator)
+        return self._responses(call, client_call_details)
+
+
+class _StreamUnaryCall:
+    """A stream-unary call whose awaited failure is an `errors.RpcError`. `_StreamUnary` cannot
+    await the call itself, as `_UnaryUnary` does: a caller that write()s its requests would
+    wait for its own call. Everything but awaiting is the call's own."""
+
+    def __init__(self, call: Any, to_error: Callable[..., errors.RpcError]) -> None:
+        self._call = call
+        self._to_error = to_error
+
+    def __await__(self):
+        try:
+            return (yield from self._call.__await__())
+        except grpc.aio.AioRpcError as e:
+            raise self._to_error(e) from e
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._call, name)
 
 
 async def call_idempotent(
@@ -390,7 +443,7 @@ async def call_idempotent(
 
 
 def _is_unavailable(error: BaseException) -> bool:
-    return isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
+    return isinstance(error, errors.UnavailableError)
 
 
 def _raise_if_past(deadline: float, state: Any) -> None:
@@ -420,8 +473,8 @@ async def wait_until_serving(
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
                 last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-        except grpc.aio.AioRpcError as e:
-            last = f"{e.code().name}: {e.details()}"
+        except errors.RpcError as e:
+            last = f"{e.status}: {e.details}"
         finally:
             watch.cancel()
     raise TimeoutError(f"{config.address} not SERVING after {timeout_seconds:.0f}s (last: {last})")

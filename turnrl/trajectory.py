@@ -4,13 +4,19 @@ A trajectory is a list of segments, each a run of token ids with one source. The
 sequence is their concatenation. `loss_mask` is 1 on model-sampled tokens only;
 `response_mask` is 1 on every token after the prompt. They are different things and stay
 separate fields. Both are derived from the segments, so they cannot disagree with them.
+
+The rollout service's agent loop builds one `Trajectory` as the conversation goes; it crosses
+the wire once (`to_proto`, then `from_proto` on the trainer's side, which checks the wire's
+masks against the segments), and the trainer builds its tensors from the same fields.
 """
 
+import array
 import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnrl.messages import dict_to_message
+from turnrl.errors import InvalidArgumentError
+from turnrl.messages import dict_to_message, message_to_dict
 from turnrl.v1 import common_pb2
 
 
@@ -48,10 +54,16 @@ class Segment:
     policy_version: int = 0
 
     def __post_init__(self) -> None:
-        if self.source is SegmentSource.MODEL:
-            assert len(self.logprobs) == len(self.token_ids), "one logprob per model token"
-        else:
-            assert not self.logprobs, "only model segments carry logprobs"
+        if self.source is SegmentSource.MODEL and len(self.logprobs) != len(self.token_ids):
+            raise ValueError(
+                f"a model segment needs one logprob per token: {len(self.token_ids)} tokens, "
+                f"{len(self.logprobs)} logprobs"
+            )
+        if self.source is not SegmentSource.MODEL and self.logprobs:
+            raise ValueError(f"only model segments carry logprobs, not {self.source.name}")
+        # The wire carries float32 logprobs; holding them at that precision makes the record
+        # the same on both sides of the wire.
+        self.logprobs = array.array("f", self.logprobs).tolist()
 
 
 @dataclass
@@ -67,14 +79,15 @@ class TurnMetrics:
 
 @dataclass
 class Trajectory:
-    """A finished multi-turn rollout."""
+    """A multi-turn rollout: built turn by turn by the agent loop, finished once it has a
+    `finish_reason`. `messages` is the conversation (OpenAI dicts), the prompt's first."""
 
     trajectory_id: str
     group_id: str
     sample_index: int
-    segments: list[Segment]
-    messages: list[dict[str, Any]]
-    finish_reason: FinishReason
+    segments: list[Segment] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: FinishReason | None = None  # None while it runs
     data_source: str = ""
     error_message: str = ""
     turns: list[TurnMetrics] = field(default_factory=list)
@@ -104,6 +117,15 @@ class Trajectory:
         ]
 
     @property
+    def rollout_logprobs(self) -> list[float]:
+        """The engine's logprob of every model token; 0 on the other tokens."""
+        return [
+            logprob
+            for segment in self.segments
+            for logprob in (segment.logprobs or [0.0] * len(segment.token_ids))
+        ]
+
+    @property
     def prompt_length(self) -> int:
         return sum(len(s.token_ids) for s in self.segments if s.source is SegmentSource.PROMPT)
 
@@ -112,6 +134,7 @@ class Trajectory:
         return len(self.token_ids) - self.prompt_length
 
     def to_proto(self) -> common_pb2.Trajectory:
+        assert self.finish_reason is not None, "only a finished trajectory goes on the wire"
         proto = common_pb2.Trajectory(
             trajectory_id=self.trajectory_id,
             group_id=self.group_id,
@@ -137,3 +160,55 @@ class Trajectory:
         if self.reward is not None:
             proto.reward.CopyFrom(self.reward)
         return proto
+
+    @classmethod
+    def from_proto(cls, proto: common_pb2.Trajectory) -> "Trajectory":
+        """The record `to_proto` wrote. Raises InvalidArgumentError when the wire's masks
+        disagree with its segments, or a segment or message is malformed."""
+        where = f"trajectory {proto.trajectory_id!r}"
+        try:
+            segments = [
+                Segment(
+                    SegmentSource(s.source),
+                    list(s.token_ids),
+                    list(s.logprobs),
+                    s.policy_version,
+                )
+                for s in proto.segments
+            ]
+            finish_reason = FinishReason(proto.finish_reason)
+            messages = [message_to_dict(m) for m in proto.messages]
+        except ValueError as e:
+            raise InvalidArgumentError(f"{where}: {e}") from None
+        trajectory = cls(
+            trajectory_id=proto.trajectory_id,
+            group_id=proto.group_id,
+            sample_index=proto.sample_index,
+            segments=segments,
+            messages=messages,
+            finish_reason=finish_reason,
+            data_source=proto.data_source,
+            error_message=proto.error_message,
+            turns=[
+                TurnMetrics(
+                    generated_tokens=turn.generated_tokens,
+                    tool_calls=turn.tool_calls,
+                    tool_errors=turn.tool_errors,
+                    tool_latency_seconds=turn.tool_latency_seconds,
+                    generate_seconds=turn.generate_seconds,
+                )
+                for turn in proto.turns
+            ],
+            metrics=dict(proto.metrics),
+            reward=_copy(proto.reward) if proto.HasField("reward") else None,
+        )
+        for name in ("loss_mask", "response_mask"):
+            if list(getattr(proto, name)) != getattr(trajectory, name):
+                raise InvalidArgumentError(f"{where}: {name} disagrees with its segments")
+        return trajectory
+
+
+def _copy(reward: common_pb2.Reward) -> common_pb2.Reward:
+    copy = common_pb2.Reward()
+    copy.CopyFrom(reward)
+    return copy

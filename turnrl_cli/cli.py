@@ -24,6 +24,7 @@ from turnrl import __version__
 from turnrl.config import DEFAULT_PORTS
 from turnrl.errors import ConfigError
 from turnrl_cli import client_commands, launcher
+from turnrl_cli.model_paths import load_with_tiny_model
 
 # The module whose `serve(config)` runs each service, given its section of the config. Imported
 # only by `turnrl serve`: the rollout and trainer servers load torch, which would add seconds to
@@ -152,7 +153,7 @@ def _serve(args: argparse.Namespace) -> int:
         overrides.append(f"{args.service}.server.host={args.host}")
     if args.port is not None:
         overrides.append(f"{args.service}.server.port={args.port}")
-    project, _ = launcher.load_with_tiny_model(args.config, overrides, [args.service])
+    project, _ = load_with_tiny_model(args.config, overrides, [args.service])
     ranks = project.trainer.ranks
     if args.service == "trainer" and ranks > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
         # Becomes torchrun, which starts this command once per rank (the tiny model is built).

@@ -16,7 +16,7 @@ from google.protobuf import json_format, struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
 
-from turnrl import rpc
+from turnrl import errors, rpc
 from turnrl.config import ClientConfig, client_token_from_env
 from turnrl.errors import ConfigError
 from turnrl.v1 import reward_pb2, reward_pb2_grpc, tool_pb2, tool_pb2_grpc
@@ -30,8 +30,8 @@ async def health(args: argparse.Namespace) -> int:
             reply = await stub.Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
             )
-        except grpc.aio.AioRpcError as e:
-            return _report(args.addr, "Health.Check", e)
+        except errors.RpcError as e:
+            return _report(e)
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     _print_json({"address": args.addr, "service": args.service, "status": status})
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
@@ -48,8 +48,8 @@ async def tool_list(args: argparse.Namespace) -> int:
                 timeout_seconds=args.timeout,
                 max_attempts=3,
             )
-        except grpc.aio.AioRpcError as e:
-            return _report(args.addr, "ListTools", e)
+        except errors.RpcError as e:
+            return _report(e)
     _print_json([_openai_tool(info) for info in reply.tools])
     return 0
 
@@ -60,7 +60,6 @@ async def tool_call(args: argparse.Namespace) -> int:
     async with _open(args) as channel:
         stub = tool_pb2_grpc.ToolServiceStub(channel)
         session_id = ""
-        method = "CreateSession"
         try:
             if session_kwargs is not None:
                 created = await stub.CreateSession(
@@ -70,15 +69,14 @@ async def tool_call(args: argparse.Namespace) -> int:
                     timeout=args.timeout,
                 )
                 session_id = created.session_id
-            method = "Execute"
             reply = await stub.Execute(
                 tool_pb2.ExecuteRequest(
                     tool_name=args.name, arguments=args.arguments, session_id=session_id
                 ),
                 timeout=args.timeout,
             )
-        except grpc.aio.AioRpcError as e:
-            return _report(args.addr, method, e)
+        except errors.RpcError as e:
+            return _report(e)
         finally:
             if session_id:
                 await _release(stub, session_id, args.timeout)
@@ -94,8 +92,8 @@ async def score(args: argparse.Namespace) -> int:
             request = reward_pb2.ScoreRequest(input=_scoring_input(args, {}))
             try:
                 reply = await stub.Score(request, timeout=args.timeout)
-            except grpc.aio.AioRpcError as e:
-                return _report(args.addr, "Score", e)
+            except errors.RpcError as e:
+                return _report(e)
             _print_json(_score_json(reply.result))
             return 0
         items = list(_read_jsonl(args.input))
@@ -111,8 +109,8 @@ async def score(args: argparse.Namespace) -> int:
             async for reply in stub.ScoreBatch(requests(), timeout=args.timeout):
                 _print_json({"item_id": reply.item_id, **_score_json(reply.result)})
                 failed |= reply.result.reward.error
-        except grpc.aio.AioRpcError as e:
-            return _report(args.addr, "ScoreBatch", e)
+        except errors.RpcError as e:
+            return _report(e)
         return 1 if failed else 0
 
 
@@ -138,15 +136,13 @@ async def _release(
         await stub.ReleaseSession(
             tool_pb2.ReleaseSessionRequest(session_id=session_id), timeout=timeout_seconds
         )
-    except grpc.aio.AioRpcError as e:
-        _report("tool service", "ReleaseSession", e)
+    except errors.RpcError as e:
+        _report(e)
 
 
-def _report(address: str, method: str, error: grpc.aio.AioRpcError) -> int:
-    print(
-        f"turnrl: {method} at {address} failed: {error.code().name}: {error.details()}",
-        file=sys.stderr,
-    )
+def _report(error: errors.RpcError) -> int:
+    """Prints a failed call, naming its method, address, status and details; returns 1."""
+    print(f"turnrl: {error}", file=sys.stderr)
     return 1
 
 

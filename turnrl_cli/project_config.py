@@ -15,7 +15,7 @@ from tool_svc.config import ToolConfig
 from trainer_svc.config import TrainerConfig
 from turnrl.config import ClientConfig, StrictModel, load_config_data, validate_config
 from turnrl.errors import ConfigError
-from turnrl.tiny_model_settings import TinyModelSettings
+from turnrl_demo.settings import TinyModelSettings
 
 # Start order; stop order is the reverse (the trainer calls the rollout service, which calls
 # the tool and reward services, so callers go first and never see their callees vanish).
@@ -35,8 +35,8 @@ class ProjectConfig(StrictModel):
     )
     tiny_model: TinyModelSettings = Field(
         default_factory=TinyModelSettings,
-        description="The tiny calculator model that `turnrl serve`, `up` and `run` build (once, "
-        "cached) for a rollout.model_path or trainer.model_path left null.",
+        description="The tiny calculator model (turnrl_demo) that `turnrl serve`, `up` and `run` "
+        "build (once, cached) for a rollout.model_path or trainer.model_path left null.",
     )
     trainer_service: ClientConfig | None = Field(
         default=None,
@@ -50,38 +50,27 @@ class ProjectConfig(StrictModel):
 
         A service is pointed at when a caller's address for it is set in the file or the
         overrides: the trainer by `trainer_service`, the rollout service by
-        `trainer.rollout_service`, the tool service by `trainer.tool_service` or
-        `rollout.tool_service`, the reward service by `rollout.reward_service` (or when the
-        rollout service is, as only it calls the reward service). An SFT run
-        (`trainer.mode: sft`) calls no other service: only the trainer is needed. Raises
-        ConfigError when a service that runs elsewhere would have to call one started here, on
-        this machine's loopback.
+        `trainer.rollout_service`, the tool and reward services by `rollout.tool_service` and
+        `rollout.reward_service` (or when the rollout service is, as only it calls them). An
+        SFT run (`trainer.mode: sft`) calls no other service: only the trainer is needed.
+        Raises ConfigError when a trainer that runs elsewhere would have to call a rollout
+        service started here, on this machine's loopback.
         """
         if self.trainer.mode == "sft":
             return [] if self.trainer_service is not None else ["trainer"]
         pointed_at = {
             "trainer": self.trainer_service is not None,
             "rollout": "rollout_service" in self.trainer.model_fields_set,
-            "tool": bool(
-                {"tool_service"} & (self.trainer.model_fields_set | self.rollout.model_fields_set)
-            ),
+            "tool": "tool_service" in self.rollout.model_fields_set,
             "reward": "reward_service" in self.rollout.model_fields_set,
         }
-        if pointed_at["trainer"]:
-            local_callees = [name for name in ("rollout", "tool") if not pointed_at[name]]
-            if local_callees:
-                raise ConfigError(
-                    "trainer_service points at a trainer elsewhere, which cannot reach services "
-                    "started here: also set "
-                    + " and ".join(f"trainer.{name}_service" for name in local_callees)
-                )
+        if pointed_at["trainer"] and not pointed_at["rollout"]:
+            raise ConfigError(
+                "trainer_service points at a trainer elsewhere, which cannot reach a rollout "
+                "service started here: also set trainer.rollout_service"
+            )
         if pointed_at["rollout"]:
-            if not pointed_at["tool"]:
-                raise ConfigError(
-                    "trainer.rollout_service points at a rollout service elsewhere: also set "
-                    "trainer.tool_service to the tool service it calls"
-                )
-            pointed_at["reward"] = True
+            pointed_at["tool"] = pointed_at["reward"] = True
         return [name for name in SERVICE_NAMES if not pointed_at[name]]
 
 

@@ -30,11 +30,10 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 from pydantic import Field
 
 from reward_svc.scorers.base import Score, ScoringRequest
-from turnrl import rpc
+from turnrl import errors, rpc
 from turnrl.config import DEFAULT_PORTS, ClientConfig, StrictModel
 from turnrl.v1 import tool_pb2, tool_pb2_grpc
 
@@ -178,10 +177,10 @@ class CodeScorer:
                     timeout_seconds=self.options.timeout_seconds,
                     max_attempts=self.options.tool_service.max_attempts,
                 )
-            except grpc.aio.AioRpcError as e:
+            except errors.RpcError as e:
                 raise RuntimeError(
                     f"tool service at {address} failed the {self.options.tool_name!r} call: "
-                    f"{e.code().name}: {e.details()}"
+                    f"{e.status}: {e.details}"
                 ) from e
         result = reply.result
         if result.HasField("error") and result.error.kind not in CANDIDATE_ERROR_KINDS:

@@ -1,4 +1,8 @@
-"""Inference engines, by the name a config's `rollout.engine` uses, with their options model."""
+"""Inference engines, by the name a config's `rollout.engine` uses, with their options model.
+
+The rollout service builds one with `await engine_class.create(options, model_path,
+max_model_len)`: the options validated from `rollout.engine_options`, the model and its context
+length from `rollout.model_path` and `rollout.max_model_len`."""
 
 from pydantic import BaseModel
 

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from turnrl.errors import InvalidArgumentError
 from turnrl.weights import BucketedWeights, TensorMeta
 
 
@@ -50,6 +51,17 @@ class GenerateOutput:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def check_prompt(input_ids: Sequence[int], max_model_len: int) -> None:
+    """Raises InvalidArgumentError for an empty prompt or one that leaves no room for a token
+    under `max_model_len`, the engine's context (the rollout config's, handed to the engine)."""
+    if not input_ids:
+        raise InvalidArgumentError("input_ids is empty; a prompt needs at least one token")
+    if len(input_ids) >= max_model_len:
+        raise InvalidArgumentError(
+            f"prompt of {len(input_ids)} tokens leaves no room under max_model_len={max_model_len}"
+        )
+
+
 class Engine(Protocol):
     """An inference engine serving many concurrent requests."""
 
@@ -62,7 +74,7 @@ class Engine(Protocol):
     ) -> GenerateOutput:
         """Samples a continuation of `input_ids`. Requests of one `session_id` (one trajectory)
         extend each other; an engine may keep the session's KV cache between them and
-        recompute only the new suffix."""
+        recompute only the new suffix. A prompt that `check_prompt` refuses is refused."""
 
     async def abort(self, request_id: str) -> None:
         """Ends a running request early: its generate() returns with FinishReason.ABORT."""

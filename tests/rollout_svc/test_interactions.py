@@ -4,7 +4,7 @@ import pytest
 
 from rollout_svc.interactions.gsm8k import Gsm8kInteraction, Gsm8kInteractionOptions
 from rollout_svc.interactions.llm_user import LlmUser, LlmUserOptions
-from tests.reward_svc.test_judge import ChatCompletionsStandIn
+from tests.reward_svc.judge_stand_in import ChatCompletionsStandIn
 from tests.tool_svc.http_stand_in import serve_app
 
 

@@ -15,20 +15,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from reward_svc.config import RewardConfig
-from reward_svc.server import RewardServicer
-from reward_svc.service import RewardService
 from rollout_svc.agent_loop import PromptSpec
 from rollout_svc.config import RolloutConfig
 from rollout_svc.engines.base import SamplingParams
 from rollout_svc.service import RolloutService
-from tests.conftest import serve_in_process
+from tests.rollout_svc.peer_services import reward_service_address, tool_service_address
 from turnrl.calculator_data import TOOLS, generate_problems
 from turnrl.chat_tokens import ConversationTokens
 from turnrl.config import ClientConfig, ServerConfig
-from turnrl.errors import InvalidArgumentError
-from turnrl.trajectory import FinishReason, SegmentSource
-from turnrl.v1 import reward_pb2, reward_pb2_grpc
+from turnrl.errors import InvalidArgumentError, UnavailableError
+from turnrl.trajectory import FinishReason, SegmentSource, Trajectory
 
 
 @pytest.fixture(scope="module")
@@ -48,38 +44,24 @@ def random_model_dir(fixtures: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 @contextlib.asynccontextmanager
-async def reward_address() -> AsyncIterator[str]:
-    config = RewardConfig(server=ServerConfig(port=0), workers=1)
-    service = await RewardService.create(config)
-    try:
-        async with serve_in_process(
-            config.server,
-            reward_pb2.DESCRIPTOR.services_by_name["RewardService"],
-            lambda s: reward_pb2_grpc.add_RewardServiceServicer_to_server(
-                RewardServicer(service), s
-            ),
-        ) as address:
-            yield address
-    finally:
-        await service.close()
-
-
-@contextlib.asynccontextmanager
 async def rollout(
     model_dir: Path, reward: str = "127.0.0.1:1", **settings
 ) -> AsyncIterator[RolloutService]:
-    config = RolloutConfig(
-        server=ServerConfig(port=0),
-        model_path=str(model_dir),
-        tool_service=ClientConfig(address="127.0.0.1:1"),
-        reward_service=ClientConfig(address=reward),
-        **settings,
-    )
-    service = await RolloutService.create(config)
-    try:
-        yield service
-    finally:
-        await service.close()
+    """The rollout service on `model_dir`, calling a real tool service and the reward service
+    at `reward` (by default none: nothing listens on port 1)."""
+    async with tool_service_address() as tools:
+        config = RolloutConfig(
+            server=ServerConfig(port=0),
+            model_path=str(model_dir),
+            tool_service=ClientConfig(address=tools),
+            reward_service=ClientConfig(address=reward),
+            **settings,
+        )
+        service = await RolloutService.create(config)
+        try:
+            yield service
+        finally:
+            await service.close()
 
 
 def prompt_specs(count: int) -> list[PromptSpec]:
@@ -87,7 +69,7 @@ def prompt_specs(count: int) -> list[PromptSpec]:
         PromptSpec(
             prompt_id=f"p{i}",
             messages=problem.prompt_messages,
-            tools=TOOLS,
+            tool_names=[tool["function"]["name"] for tool in TOOLS],
             data_source="openai/gsm8k",
             ground_truth=str(problem.answer),
         )
@@ -105,7 +87,7 @@ async def test_trajectories_are_token_exact_with_the_engines_logprobs(random_mod
     tokenizer = AutoTokenizer.from_pretrained(random_model_dir)
     model = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32).eval()
     prompts = prompt_specs(3)
-    async with reward_address() as reward, rollout(random_model_dir, reward) as service:
+    async with reward_service_address() as reward, rollout(random_model_dir, reward) as service:
         limits = service.limits(0, 0, 24, 0)
         sampling = SamplingParams(max_new_tokens=24, temperature=1.0, seed=11)
         trajectories = await collect(service, prompts, 2, sampling, limits, scoring=True)
@@ -135,6 +117,7 @@ async def test_trajectories_are_token_exact_with_the_engines_logprobs(random_mod
         assert trajectory.reward.score == 0.0  # a random model does not solve arithmetic
         proto = trajectory.to_proto()
         assert list(proto.loss_mask) == trajectory.loss_mask and len(proto.messages) == 3
+        assert Trajectory.from_proto(proto) == trajectory
 
 
 @pytest.mark.parametrize(
@@ -211,7 +194,36 @@ async def test_contradictory_limits_and_empty_calls_are_invalid(random_model_dir
             service.limits(0, 10, 20, 0)
         with pytest.raises(InvalidArgumentError, match="leaves no room for a prompt"):
             service.limits(100, 100, 10, 0)
+        with pytest.raises(InvalidArgumentError, match="exceeds the engine's context"):
+            service.limits(RolloutConfig().max_model_len + 1, 0, 0, 0)
         with pytest.raises(InvalidArgumentError, match="prompts is empty"):
             await collect(
                 service, [], 1, SamplingParams(max_new_tokens=4), service.limits(0, 0, 4, 0)
             )
+
+
+async def test_a_prompt_naming_a_tool_the_tool_service_lacks_is_invalid(random_model_dir):
+    unknown = PromptSpec(prompt_id="p", messages=[{"role": "user", "content": "Hi"}],
+                         tool_names=["calculator", "teleport"])  # fmt: skip
+    async with rollout(random_model_dir) as service:
+        limits = service.limits(0, 0, 4, 0)
+        with pytest.raises(InvalidArgumentError, match=r"\['teleport'\] are not served"):
+            await collect(service, [unknown], 1, SamplingParams(max_new_tokens=4), limits)
+        assert service.in_flight == 0
+
+
+async def test_a_call_naming_tools_of_an_unreachable_tool_service_fails_unavailable(
+    random_model_dir,
+):
+    config = RolloutConfig(
+        model_path=str(random_model_dir),
+        tool_service=ClientConfig(address="127.0.0.1:1", timeout_seconds=5),
+    )
+    service = await RolloutService.create(config)
+    try:
+        limits = service.limits(0, 0, 4, 0)
+        with pytest.raises(UnavailableError, match=r"ListTools at 127\.0\.0\.1:1 failed"):
+            await collect(service, prompt_specs(1), 1, SamplingParams(max_new_tokens=4), limits)
+        assert service.stats()["finished_trajectories"] == 0
+    finally:
+        await service.close()

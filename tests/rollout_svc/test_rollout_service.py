@@ -3,70 +3,28 @@ and reward services on loopback, Generate over gRPC."""
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator
 
-import grpc
 import pytest
 import torch
 from google.protobuf import json_format
 from transformers import AutoModelForCausalLM
 
-from reward_svc.config import RewardConfig
-from reward_svc.server import RewardServicer
-from reward_svc.service import RewardService
 from rollout_svc.config import InteractionEntry, RolloutConfig
 from rollout_svc.server import RolloutServicer
 from rollout_svc.service import RolloutService
 from tests.conftest import serve_in_process
-from tool_svc.config import ToolConfig, ToolEntry
-from tool_svc.server import ToolServicer
-from tool_svc.service import ToolService
+from tests.rollout_svc.peer_services import reward_service_address, tool_service_address
 from turnrl import rpc
 from turnrl.calculator_data import TOOLS, generate_problems
 from turnrl.config import ClientConfig, ServerConfig
+from turnrl.errors import ConfigError, InvalidArgumentError
 from turnrl.messages import dict_to_message
-from turnrl.v1 import (
-    common_pb2,
-    reward_pb2,
-    reward_pb2_grpc,
-    rollout_pb2,
-    rollout_pb2_grpc,
-    tool_pb2,
-    tool_pb2_grpc,
-)
+from turnrl.trajectory import Trajectory
+from turnrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 Source = common_pb2.SegmentSource
 Finish = common_pb2.FinishReason
-
-
-@contextlib.asynccontextmanager
-async def tool_and_reward_services() -> AsyncIterator[tuple[str, str]]:
-    tool_config = ToolConfig(
-        server=ServerConfig(port=0), tools=[ToolEntry(class_name="calculator")]
-    )
-    reward_config = RewardConfig(server=ServerConfig(port=0), workers=1)
-    tools = await ToolService.create(tool_config)
-    rewards = await RewardService.create(reward_config)
-    try:
-        async with (
-            serve_in_process(
-                tool_config.server,
-                tool_pb2.DESCRIPTOR.services_by_name["ToolService"],
-                lambda s: tool_pb2_grpc.add_ToolServiceServicer_to_server(ToolServicer(tools), s),
-            ) as tool_address,
-            serve_in_process(
-                reward_config.server,
-                reward_pb2.DESCRIPTOR.services_by_name["RewardService"],
-                lambda s: reward_pb2_grpc.add_RewardServiceServicer_to_server(
-                    RewardServicer(rewards), s
-                ),
-            ) as reward_address,
-        ):
-            yield tool_address, reward_address
-    finally:
-        await rewards.close()
-        await tools.close()
 
 
 @contextlib.asynccontextmanager
@@ -75,7 +33,7 @@ async def rollout_server(
 ) -> AsyncIterator[rollout_pb2_grpc.RolloutServiceStub]:
     config = RolloutConfig(
         server=ServerConfig(port=0),
-        engine_options={"model_path": str(model_dir)},
+        model_path=str(model_dir),
         tool_service=ClientConfig(address=tool_address),
         reward_service=ClientConfig(address=reward_address),
         **settings,
@@ -99,30 +57,24 @@ async def rollout_server(
 
 @contextlib.asynccontextmanager
 async def rollout_stack(
-    model_dir, *, dead_tool_service: bool = False, **settings
+    model_dir, **settings
 ) -> AsyncIterator[rollout_pb2_grpc.RolloutServiceStub]:
     """Tool, reward and rollout services on loopback; yields a rollout stub."""
-    async with tool_and_reward_services() as (tools, rewards):
-        tools = "127.0.0.1:1" if dead_tool_service else tools  # nothing listens on port 1
-        async with rollout_server(model_dir, tools, rewards, **settings) as stub:
-            yield stub
+    async with (
+        tool_service_address() as tools,
+        reward_service_address() as rewards,
+        rollout_server(model_dir, tools, rewards, **settings) as stub,
+    ):
+        yield stub
 
 
 def prompts(count: int, **fields) -> list[rollout_pb2.RolloutPrompt]:
-    tools = [
-        common_pb2.ToolSchema(
-            name=t["function"]["name"],
-            description=t["function"]["description"],
-            parameters_json=json.dumps(t["function"]["parameters"]),
-        )
-        for t in TOOLS
-    ]
     result = []
     for i, problem in enumerate(generate_problems(count, split="test")):
         prompt = rollout_pb2.RolloutPrompt(
             prompt_id=f"p{i}",
             messages=[dict_to_message(m) for m in problem.prompt_messages],
-            tools=tools,
+            tool_names=[tool["function"]["name"] for tool in TOOLS],
             data_source="openai/gsm8k",
             **fields,
         )
@@ -175,6 +127,11 @@ async def test_multi_turn_trajectories_are_token_exact_and_scored(tiny_model_dir
         positions = [i - 1 for i, m in enumerate(trajectory.loss_mask) if m]
         assert torch.allclose(engine, expected[positions], atol=1e-4), trajectory.trajectory_id
         assert trajectory.HasField("reward") and not trajectory.reward.error
+        # One record on both sides of the wire: the trainer reads back what was sent.
+        record = Trajectory.from_proto(trajectory)
+        assert record.to_proto() == trajectory
+        assert Trajectory.from_proto(record.to_proto()) == record
+        assert record.token_ids == token_ids and record.loss_mask == list(trajectory.loss_mask)
     for trajectory in with_tools:
         sources = [s.source for s in trajectory.segments]
         assert sources[:4] == [
@@ -224,13 +181,18 @@ async def test_each_limit_ends_the_trajectory_with_its_reason(
             assert total <= limits["max_model_len"]
 
 
-async def test_dead_tool_service_becomes_a_tool_error(tiny_model_dir):
-    async with rollout_stack(tiny_model_dir, dead_tool_service=True) as stub:
-        request = rollout_pb2.GenerateRequest(
-                prompts=prompts(2), n=1, sampling=common_pb2.SamplingParams(temperature=0.0),
-                limits=common_pb2.LengthLimits(max_new_tokens=64), max_turns=2,
-            )  # fmt: skip
-        trajectories = await generate(stub, request)
+async def test_a_tool_service_that_dies_becomes_a_tool_error(tiny_model_dir):
+    request = rollout_pb2.GenerateRequest(
+            prompts=prompts(2), n=1, sampling=common_pb2.SamplingParams(temperature=0.0),
+            limits=common_pb2.LengthLimits(max_new_tokens=64), max_turns=2,
+        )  # fmt: skip
+    async with contextlib.AsyncExitStack() as tool_lifetime, reward_service_address() as rewards:
+        tools = await tool_lifetime.enter_async_context(tool_service_address())
+        async with rollout_server(tiny_model_dir, tools, rewards) as stub:
+            before = await generate(stub, request)  # the rollout service knows the schemas now
+            await tool_lifetime.aclose()  # the tool service dies
+            trajectories = await generate(stub, request)
+    assert sum(t.metrics["tool_calls"] - t.metrics["tool_errors"] for t in before) >= 1
     assert len(trajectories) == 2
     called = [t for t in trajectories if t.metrics["tool_calls"] >= 1]
     assert called and all(t.metrics["tool_errors"] >= 1 for t in called)
@@ -286,10 +248,9 @@ async def test_bad_requests_are_invalid_argument(tiny_model_dir):
                 "message role 0 is not set",
             ),
         ]:
-            with pytest.raises(grpc.aio.AioRpcError) as info:
+            with pytest.raises(InvalidArgumentError) as info:
                 await generate(stub, request)
-            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert message in info.value.details()
+            assert message in info.value.details
 
 
 async def test_gsm8k_interaction_answers_the_model(tiny_model_dir):
@@ -318,3 +279,11 @@ async def test_gsm8k_interaction_answers_the_model(tiny_model_dir):
         m for t in trajectories for m in t.messages[2:] if m.role == common_pb2.Message.ROLE_USER
     ]
     assert len(users) == len(replies)
+
+
+async def test_a_service_without_a_model_refuses_to_start():
+    """No service builds the tiny model for itself: the wiring (`turnrl serve`, `up`, `run`)
+    sets a null model_path, and a service given none says so."""
+    config = RolloutConfig(server=ServerConfig(port=0))
+    with pytest.raises(ConfigError, match=r"rollout\.model_path is null"):
+        await RolloutService.create(config)

@@ -1,338 +1,32 @@
-"""The SGLang engine adapter against a stand-in SGLang server.
+"""The SGLang engine adapter against a stand-in SGLang server that it connects to by URL
+(`sglang_stand_in.py`): the bodies it sends, the ids, logprobs and versions it returns, aborts,
+pauses and weight pushes, and how the server's refusals and failures reach the caller. Servers
+the adapter launches itself, or loses: test_sglang_engine_launch.py."""
 
-SGLang needs a GPU, so `SglangStandIn` implements the request and response shapes of SGLang's
-native HTTP API (`python/sglang/srt/entrypoints/http_server.py`, `managers/io_struct.py`) on
-loopback: a counter model decodes one token per step, answers [logprob, token_id, text]
-triples and finish reasons, honours max_new_tokens and stop_token_ids, aborts by rid, pauses
-and continues, takes weight-group calls, and records every request so tests check the bodies
-the adapter sent. Run as a script, this module serves the stand-in on the --host and --port
-it is given, which is how the launch tests stand in for `python -m sglang.launch_server`.
-"""
-
-import argparse
 import asyncio
-import contextlib
-import sys
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncIterator
 
-import httpx
 import pytest
 import torch
-import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.routing import Route
 
 from rollout_svc.engines.base import FinishReason, SamplingParams
-from rollout_svc.engines.sglang import SglangEngine, SglangEngineOptions, SglangLaunchOptions
+from rollout_svc.engines.sglang import SglangEngine, SglangEngineOptions
+from tests.rollout_svc.sglang_stand_in import (
+    MAX_MODEL_LEN,
+    MODEL_PATH,
+    VOCAB_SIZE,
+    SglangStandIn,
+    continuation,
+    engine_options,
+    token_logprob,
+)
 from tests.tool_svc.http_stand_in import serve_app
-from turnrl.config import REPO_ROOT
 from turnrl.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     UnavailableError,
 )
-
-VOCAB_SIZE = 1000
-EOS_TOKEN_ID = VOCAB_SIZE - 1
-WAIT_SECONDS = 10.0
-# The keyword arguments of SGLang's SamplingParams that callers may set.
-SGLANG_SAMPLING_KEYS = {
-    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
-    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
-    "n", "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
-    "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
-    "logit_bias", "sampling_seed",
-}  # fmt: skip
-
-
-def next_token(previous: int) -> int:
-    """The stand-in model: each token follows from the one before (never EOS)."""
-    return (previous * 7 + 3) % EOS_TOKEN_ID
-
-
-def token_logprob(token: int) -> float:
-    return -((token % 10) + 1) / 10
-
-
-def continuation(input_ids: list[int], length: int) -> list[int]:
-    tokens = [input_ids[-1]]
-    for _ in range(length):
-        tokens.append(next_token(tokens[-1]))
-    return tokens[1:]
-
-
-@dataclass
-class RunningRequest:
-    rid: str
-    output_ids: list[int] = field(default_factory=list)
-    aborted: bool = False
-    # (version, output tokens so far) at each weight update while it ran, as SGLang records.
-    version_changes: list[tuple[str, int]] = field(default_factory=list)
-
-
-class SglangStandIn:
-    """SGLang's native HTTP API shapes on a deterministic counter model (module docstring)."""
-
-    def __init__(self, model_path: str = "stand-in/tiny-model", argv: list[str] | None = None):
-        self.model_path = model_path
-        self.argv = argv or []
-        self.url = ""
-        self.requests: list[tuple[str, str, Any]] = []  # (method, path, JSON body)
-        self.failures: dict[str, list[tuple[int, str]]] = {}  # path -> (status, message) first
-        self.running: dict[str, RunningRequest] = {}
-        self.hold_at_tokens: int | None = None  # requests wait there until release()
-        self.pause_mode: str | None = None
-        self.weight_version = "default"
-        self.groups: set[str] = set()
-        self.report_version_spans = True
-        self.is_generation = True
-        self.unhealthy_checks_left = 0
-        self.sequences: list[list[int]] = []  # what the radix cache holds
-        self._changed = asyncio.Condition()
-
-    def app(self) -> Starlette:
-        routes = {
-            "/generate": self._generate,
-            "/abort_request": self._abort_request,
-            "/pause_generation": self._pause_generation,
-            "/continue_generation": self._continue_generation,
-            "/flush_cache": self._flush_cache,
-            "/init_weights_update_group": self._init_weights_update_group,
-            "/update_weights_from_distributed": self._update_weights_from_distributed,
-            "/health_generate": self._health,
-            "/get_model_info": self._model_info,
-            "/get_server_info": self._server_info,
-        }
-        return Starlette(
-            routes=[
-                Route(path, self._recorded(path, handler), methods=["GET", "POST"])
-                for path, handler in routes.items()
-            ]
-        )
-
-    def decoded(self, rid: str) -> int:
-        """Tokens the running request `rid` has so far; 0 when it is not running."""
-        return len(self.running[rid].output_ids) if rid in self.running else 0
-
-    def paths(self) -> list[str]:
-        return [path for _, path, _ in self.requests]
-
-    def bodies(self, path: str) -> list[Any]:
-        return [body for _, recorded, body in self.requests if recorded == path]
-
-    async def wait_until(self, condition: Callable[[], bool]) -> None:
-        async with asyncio.timeout(WAIT_SECONDS), self._changed:
-            await self._changed.wait_for(condition)
-
-    async def release(self) -> None:
-        async with self._changed:
-            self.hold_at_tokens = None
-            self._changed.notify_all()
-
-    async def abort_everything(self) -> None:
-        async with self._changed:
-            for request in self.running.values():
-                request.aborted = True
-            self._changed.notify_all()
-
-    def _recorded(self, path: str, handler: Callable) -> Callable:
-        async def endpoint(request: Request) -> Response:
-            raw = await request.body()
-            body = await request.json() if raw else None
-            self.requests.append((request.method, path, body))
-            if self.failures.get(path):
-                status, message = self.failures[path].pop(0)
-                return JSONResponse({"error": {"message": message}}, status_code=status)
-            return await handler(body)
-
-        return endpoint
-
-    async def _generate(self, body: dict) -> Response:
-        problem = self._generate_problem(body)
-        if problem:  # SGLang's _create_error_response
-            return JSONResponse({"error": {"message": problem}}, status_code=400)
-        input_ids, params = body["input_ids"], body["sampling_params"]
-        request = RunningRequest(body["rid"])
-        self.running[request.rid] = request
-        try:
-            finish_reason = await self._decode(request, input_ids, params)
-        finally:
-            del self.running[request.rid]
-        cached = max((_common_prefix(input_ids, s) for s in self.sequences), default=0)
-        self.sequences.append(input_ids + request.output_ids)
-        meta_info = {
-            "id": request.rid,
-            "finish_reason": finish_reason,
-            "prompt_tokens": len(input_ids),
-            "completion_tokens": len(request.output_ids),
-            "cached_tokens": min(cached, len(input_ids) - 1),
-            "weight_version": self.weight_version,
-            "e2e_latency": 0.25,
-        }
-        if body.get("return_logprob"):
-            meta_info["output_token_logprobs"] = [
-                [token_logprob(token), token, None] for token in request.output_ids
-            ]
-        if self.report_version_spans:
-            meta_info["weight_versions"] = _version_spans(
-                request.version_changes, self.weight_version, len(request.output_ids)
-            )
-        text = "".join(f"<{token}>" for token in request.output_ids)
-        return JSONResponse(
-            {"text": text, "output_ids": request.output_ids, "meta_info": meta_info}
-        )
-
-    def _generate_problem(self, body: dict) -> str | None:
-        """What SGLang would reject in a generate request (the parts the adapter sends)."""
-        input_ids, params = body.get("input_ids"), body.get("sampling_params") or {}
-        if not input_ids or not all(isinstance(token, int) for token in input_ids):
-            return "input_ids must be a non-empty list of token ids"
-        if bad := [token for token in input_ids if not 0 <= token < VOCAB_SIZE]:
-            return f"Token id {bad[0]} is out of vocabulary (vocab size {VOCAB_SIZE})"
-        if unknown := set(params) - SGLANG_SAMPLING_KEYS:
-            return f"SamplingParams got an unexpected keyword argument {sorted(unknown)[0]!r}"
-        top_k = params.get("top_k", -1)
-        if top_k < 1 and top_k != -1:
-            return f"top_k must be -1 (disable) or at least 1, got {top_k}."
-        if not 0.0 < params.get("top_p", 1.0) <= 1.0 or params.get("temperature", 1.0) < 0:
-            return "top_p must be in (0, 1] and temperature non-negative"
-        if body.get("rid") in self.running:
-            return f"Duplicate request ID: {body['rid']}"
-        return None
-
-    async def _decode(self, request: RunningRequest, input_ids: list[int], params: dict) -> dict:
-        stop_ids = {EOS_TOKEN_ID, *(params.get("stop_token_ids") or [])}
-        max_new_tokens = params.get("max_new_tokens", 128)
-        previous = input_ids[-1]
-        while True:
-            async with self._changed:
-                await self._changed.wait_for(lambda: request.aborted or self._may_decode(request))
-                if request.aborted:
-                    return {"type": "abort", "message": "Abort in running batch."}
-                if len(request.output_ids) >= max_new_tokens:
-                    return {"type": "length", "length": max_new_tokens}
-                previous = next_token(previous)
-                request.output_ids.append(previous)
-                self._changed.notify_all()
-            if previous in stop_ids:
-                return {"type": "stop", "matched": previous}
-            await asyncio.sleep(0)  # one decode step per loop turn, as a batch would interleave
-
-    def _may_decode(self, request: RunningRequest) -> bool:
-        held = self.hold_at_tokens is not None and len(request.output_ids) >= self.hold_at_tokens
-        return self.pause_mode is None and not held
-
-    async def _abort_request(self, body: dict) -> Response:
-        async with self._changed:
-            if body["rid"] in self.running:
-                self.running[body["rid"]].aborted = True
-                self._changed.notify_all()
-        return Response(status_code=200)
-
-    async def _pause_generation(self, body: dict | None) -> Response:
-        mode = (body or {}).get("mode", "abort")
-        if mode not in ("abort", "retract", "in_place"):
-            return JSONResponse({"error": {"message": f"Invalid mode: {mode!r}"}}, 400)
-        async with self._changed:
-            if mode == "abort":
-                for request in self.running.values():
-                    request.aborted = True
-            else:
-                self.pause_mode = mode
-            self._changed.notify_all()
-        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
-
-    async def _continue_generation(self, body: dict | None) -> Response:
-        async with self._changed:
-            self.pause_mode = None
-            self._changed.notify_all()
-        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
-
-    def _cache_in_use(self) -> bool:
-        # Retracted requests free their KV cache; running or in-place paused ones hold it.
-        return bool(self.running) and self.pause_mode != "retract"
-
-    async def _flush_cache(self, body: None) -> Response:
-        if self._cache_in_use():
-            return PlainTextResponse("Cache not flushed: requests are running.\n", 400)
-        self.sequences.clear()
-        return PlainTextResponse("Cache flushed.\n")
-
-    async def _init_weights_update_group(self, body: dict) -> Response:
-        group_name = body.get("group_name", "weight_update_group")
-        if group_name in self.groups:
-            return _weight_sync_failure(f"Process group {group_name!r} already exists.")
-        self.groups.add(group_name)
-        return JSONResponse({"success": True, "message": "Succeeded to initialize group."})
-
-    async def _update_weights_from_distributed(self, body: dict) -> Response:
-        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
-        if not len(names) == len(dtypes) == len(shapes):
-            return _weight_sync_failure("names, dtypes and shapes differ in length")
-        if body.get("group_name", "weight_update_group") not in self.groups:
-            return _weight_sync_failure("The weight update group is not initialized.")
-        if not all(isinstance(getattr(torch, dtype, None), torch.dtype) for dtype in dtypes):
-            return _weight_sync_failure(f"Unknown dtype in {dtypes}")
-        if body.get("flush_cache", True) and self._cache_in_use():
-            return PlainTextResponse("AssertionError: Cache flush failed", 500)  # SGLang asserts
-        async with self._changed:
-            if (version := body.get("weight_version")) is not None:
-                for request in self.running.values():
-                    if request.output_ids:
-                        request.version_changes.append(
-                            (self.weight_version, len(request.output_ids))
-                        )
-                self.weight_version = version
-            self._changed.notify_all()
-        return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
-
-    async def _health(self, body: None) -> Response:
-        if self.unhealthy_checks_left:
-            self.unhealthy_checks_left -= 1
-            return Response(status_code=503)
-        return Response(status_code=200)
-
-    async def _model_info(self, body: None) -> Response:
-        return JSONResponse(
-            {
-                "model_path": self.model_path,
-                "tokenizer_path": self.model_path,
-                "is_generation": self.is_generation,
-                "preferred_sampling_params": None,
-                "weight_version": self.weight_version,
-            }
-        )
-
-    async def _server_info(self, body: None) -> Response:
-        return JSONResponse({"model_path": self.model_path, "argv": self.argv})
-
-
-def _weight_sync_failure(message: str) -> Response:
-    return JSONResponse({"success": False, "message": message}, status_code=400)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    length = 0
-    while length < min(len(a), len(b)) and a[length] == b[length]:
-        length += 1
-    return length
-
-
-def _version_spans(changes: list[tuple[str, int]], current: str, count: int) -> list[dict]:
-    """SGLang's meta_info["weight_versions"]: which version sampled which output tokens."""
-    spans: list[dict] = []
-    for version, end in [*changes, (current, count)]:
-        start = spans[-1]["end"] if spans else 0
-        if spans and spans[-1]["version"] == version:
-            spans[-1]["end"] = end
-        elif not spans or end > start:
-            spans.append({"version": version, "start": start, "end": end})
-    return spans
 
 
 @pytest.fixture
@@ -346,19 +40,11 @@ async def stand_in() -> AsyncIterator[SglangStandIn]:
             await server.abort_everything()  # uvicorn waits for open requests on shutdown
 
 
-def engine_options(**overrides: Any) -> dict:
-    return {
-        "startup_timeout_seconds": WAIT_SECONDS,
-        "control_timeout_seconds": WAIT_SECONDS,
-        "request_timeout_seconds": WAIT_SECONDS,
-        "max_retries": 1,
-        **overrides,
-    }
-
-
 @pytest.fixture
 async def engine(stand_in: SglangStandIn) -> AsyncIterator[SglangEngine]:
-    engine = await SglangEngine.create(SglangEngineOptions(url=stand_in.url, **engine_options()))
+    engine = await SglangEngine.create(
+        SglangEngineOptions(url=stand_in.url, **engine_options()), MODEL_PATH, MAX_MODEL_LEN
+    )
     try:
         yield engine
     finally:
@@ -555,6 +241,12 @@ async def test_rejected_request_names_the_server_and_its_message(stand_in, engin
         await engine.generate([], SamplingParams(max_new_tokens=2), "r-empty")
 
 
+async def test_prompt_with_no_room_under_max_model_len_is_refused_unsent(stand_in, engine):
+    with pytest.raises(InvalidArgumentError, match=f"max_model_len={MAX_MODEL_LEN}"):
+        await engine.generate([1] * MAX_MODEL_LEN, SamplingParams(max_new_tokens=2), "r-long")
+    assert "/generate" not in stand_in.paths()
+
+
 async def test_server_failure_on_generate_is_not_retried(stand_in, engine):
     stand_in.failures["/generate"] = [(503, "scheduler overloaded")]
     with pytest.raises(UnavailableError, match="HTTP 503 'scheduler overloaded'") as failure:
@@ -581,7 +273,7 @@ async def test_malformed_answer_is_an_internal_error(stand_in, engine):
 
 async def test_generate_past_its_deadline_is_aborted_on_the_server(stand_in):
     options = SglangEngineOptions(url=stand_in.url, **engine_options(request_timeout_seconds=0.3))
-    engine = await SglangEngine.create(options)
+    engine = await SglangEngine.create(options, MODEL_PATH, MAX_MODEL_LEN)
     try:
         stand_in.hold_at_tokens = 1
         with pytest.raises(
@@ -604,23 +296,12 @@ async def test_cancelled_generate_is_aborted_on_the_server(stand_in, engine):
     assert stand_in.bodies("/abort_request") == [{"rid": "r-cancel"}]
 
 
-async def test_server_gone_is_unavailable():
-    server = SglangStandIn()
-    async with serve_app(server.app()) as url:
-        server.url = url
-        engine = await SglangEngine.create(SglangEngineOptions(url=url, **engine_options()))
-    try:
-        with pytest.raises(UnavailableError, match="is unreachable for POST /generate") as failure:
-            await engine.generate([1], SamplingParams(max_new_tokens=1), "r-gone")
-        assert url in str(failure.value)
-    finally:
-        await engine.close()
-
-
 async def test_start_waits_for_health_and_reads_the_weight_version(stand_in):
     stand_in.unhealthy_checks_left = 2
     stand_in.weight_version = "7"
-    engine = await SglangEngine.create(SglangEngineOptions(url=stand_in.url, **engine_options()))
+    engine = await SglangEngine.create(
+        SglangEngineOptions(url=stand_in.url, **engine_options()), MODEL_PATH, MAX_MODEL_LEN
+    )
     await engine.close()
     assert stand_in.paths() == ["/health_generate"] * 3 + ["/get_model_info"]
     assert engine.policy_version == 7
@@ -630,79 +311,12 @@ async def test_server_never_healthy_fails_start_in_time(stand_in):
     stand_in.unhealthy_checks_left = 10**6
     options = SglangEngineOptions(url=stand_in.url, **engine_options(startup_timeout_seconds=0.5))
     with pytest.raises(DeadlineExceededError, match=r"was not healthy within 0\.5 s"):
-        await SglangEngine.create(options)
+        await SglangEngine.create(options, MODEL_PATH, MAX_MODEL_LEN)
 
 
 async def test_embedding_model_is_refused(stand_in):
     stand_in.is_generation = False
     with pytest.raises(InvalidArgumentError, match="not a generation model"):
-        await SglangEngine.create(SglangEngineOptions(url=stand_in.url, **engine_options()))
-
-
-def test_options_need_exactly_one_server():
-    with pytest.raises(ValueError, match="exactly one of url"):
-        SglangEngineOptions()
-    with pytest.raises(ValueError, match="exactly one of url"):
-        SglangEngineOptions(url="http://127.0.0.1:1", launch={"model_path": "m"})
-    with pytest.raises(ValueError, match="must start with http"):
-        SglangEngineOptions(url="127.0.0.1:30000")
-
-
-def stand_in_command() -> tuple[str, ...]:
-    """Runs this module as the server script, importable from any working directory."""
-    script = (
-        f"import runpy, sys; sys.path.insert(0, {str(REPO_ROOT)!r}); "
-        "runpy.run_module('tests.rollout_svc.test_sglang_engine', run_name='__main__')"
-    )
-    return (sys.executable, "-c", script)
-
-
-async def test_launch_starts_the_server_with_its_arguments_and_stops_it():
-    launch = SglangLaunchOptions(
-        model_path="stand-in/launched",
-        port=0,
-        extra_args=("--tp-size", "1", "--mem-fraction-static", "0.5"),
-        command=stand_in_command(),
-    )
-    # The stand-in script imports torch and starlette: seconds on a loaded machine.
-    options = SglangEngineOptions(launch=launch, **engine_options(startup_timeout_seconds=120))
-    engine = await SglangEngine.create(options)
-    try:
-        port = engine.url.rsplit(":", 1)[1]
-        async with httpx.AsyncClient(trust_env=False) as client:
-            info = (await client.get(f"{engine.url}/get_server_info")).json()
-        assert info["argv"] == [
-            *("--model-path", "stand-in/launched", "--host", "127.0.0.1", "--port", port),
-            *("--tp-size", "1", "--mem-fraction-static", "0.5"),
-        ]
-        output = await engine.generate([2, 3], SamplingParams(max_new_tokens=2), "r-launched")
-        assert output.output_ids == continuation([2, 3], 2)
-    finally:
-        await engine.close()
-    async with httpx.AsyncClient(trust_env=False) as client:
-        with pytest.raises(httpx.ConnectError):
-            await client.get(f"{engine.url}/health_generate")
-
-
-async def test_launch_reports_a_server_that_exits_during_start_up():
-    launch = SglangLaunchOptions(
-        model_path="m", port=0, command=(sys.executable, "-c", "import sys; sys.exit(3)")
-    )
-    with pytest.raises(UnavailableError, match="exited with code 3 before"):
-        await SglangEngine.create(SglangEngineOptions(launch=launch, **engine_options()))
-
-
-def main(argv: list[str]) -> None:
-    """Serves the stand-in like `python -m sglang.launch_server --model-path M --host H --port P`."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model-path", required=True)
-    parser.add_argument("--host", required=True)
-    parser.add_argument("--port", type=int, required=True)
-    args, _ = parser.parse_known_args(argv)
-    server = SglangStandIn(model_path=args.model_path, argv=argv)
-    uvicorn.run(server.app(), host=args.host, port=args.port, lifespan="off", log_level="warning")
-
-
-if __name__ == "__main__":
-    with contextlib.suppress(KeyboardInterrupt):
-        main(sys.argv[1:])
+        await SglangEngine.create(
+            SglangEngineOptions(url=stand_in.url, **engine_options()), MODEL_PATH, MAX_MODEL_LEN
+        )

@@ -12,9 +12,9 @@ from trainer_svc.config import AlgorithmConfig, CriticConfig
 from trainer_svc.critic import FsdpCritic
 from trainer_svc.fsdp import FsdpPolicy
 from trainer_svc.rl_step import make_value_loss_fn, prepare_update, rollout_batch
+from turnrl.trajectory import FinishReason, Segment, SegmentSource, Trajectory
 from turnrl.v1 import common_pb2
 
-Source = common_pb2.SegmentSource
 GAE = AlgorithmConfig(advantage_estimator="gae", gamma=1.0, gae_lambda=1.0)
 
 
@@ -47,24 +47,27 @@ def test_a_head_the_folder_lacks_starts_at_zero_and_nothing_drops_out(model_dir)
     assert dropouts and not any(dropouts)
 
 
-def multi_turn_trajectory(index: int, reward: float) -> common_pb2.Trajectory:
+def multi_turn_trajectory(index: int, reward: float) -> Trajectory:
     """prompt, model turn, tool reply, model turn: random tokens of its own per trajectory."""
     generator = torch.Generator().manual_seed(index)
-    trajectory = common_pb2.Trajectory(trajectory_id=f"t{index}", group_id=f"g{index // 2}")
+    segments = []
     for source, length in [
-        (Source.SEGMENT_SOURCE_PROMPT, 4),
-        (Source.SEGMENT_SOURCE_MODEL, 3),
-        (Source.SEGMENT_SOURCE_TOOL, 2),
-        (Source.SEGMENT_SOURCE_MODEL, 2),
+        (SegmentSource.PROMPT, 4),
+        (SegmentSource.MODEL, 3),
+        (SegmentSource.TOOL, 2),
+        (SegmentSource.MODEL, 2),
     ]:
         ids = torch.randint(1, 256, (length,), generator=generator).tolist()
-        is_model = source == Source.SEGMENT_SOURCE_MODEL
-        trajectory.segments.add(
-            source=source, token_ids=ids, logprobs=[-1.0] * length if is_model else []
-        )
-        trajectory.loss_mask.extend([is_model] * length)
-    trajectory.reward.score = reward
-    return trajectory
+        logprobs = [-1.0] * length if source is SegmentSource.MODEL else []
+        segments.append(Segment(source, ids, logprobs))
+    return Trajectory(
+        trajectory_id=f"t{index}",
+        group_id=f"g{index // 2}",
+        sample_index=0,
+        segments=segments,
+        finish_reason=FinishReason.STOP,
+        reward=common_pb2.Reward(score=reward),
+    )
 
 
 def test_the_critic_learns_the_returns_of_a_fixed_multi_turn_batch(model_dir):

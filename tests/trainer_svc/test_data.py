@@ -19,7 +19,6 @@ from trainer_svc.data import (
 )
 from turnrl.calculator_data import TOOLS
 from turnrl.errors import ConfigError
-from turnrl.v1 import common_pb2
 
 VERL_ROWS = [
     {
@@ -74,9 +73,8 @@ def test_parquet_and_jsonl_give_the_same_records(tmp_path):
     # Parquet fills absent struct keys with nulls; they must not reach the prompt.
     assert from_parquet[1].tools_kwargs == {} and from_parquet[1].interaction_name == ""
 
-    schema = common_pb2.ToolSchema(name="calculator", parameters_json="{}")
-    prompt = first.to_proto([schema])
-    assert prompt.tools[0].name == "calculator"
+    prompt = first.to_proto(["calculator"])
+    assert prompt.tool_names == ["calculator"]
     assert json_format.MessageToDict(prompt.ground_truth) == "42"
     assert prompt.data_source == "openai/gsm8k"
 

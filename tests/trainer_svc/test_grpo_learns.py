@@ -8,6 +8,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from trainer_svc.config import AlgorithmConfig, TrainSettings
 from trainer_svc.fsdp import FsdpPolicy
 from trainer_svc.rl_step import make_loss_fn, prepare_update, rollout_batch
+from turnrl.trajectory import Segment, SegmentSource, Trajectory
 from turnrl.v1 import common_pb2
 
 PROMPT = [1, 2, 3]
@@ -17,7 +18,7 @@ NEW_TOKENS = 6
 GROUPS, GROUP_SIZE = 4, 8
 
 
-def sample_trajectories(model, generator: torch.Generator) -> list[common_pb2.Trajectory]:
+def sample_trajectories(model, generator: torch.Generator) -> list[Trajectory]:
     """GROUPS x GROUP_SIZE samples; reward = share of generated tokens equal to TARGET_TOKEN."""
     rows = GROUPS * GROUP_SIZE
     ids = torch.tensor([PROMPT] * rows)
@@ -31,16 +32,14 @@ def sample_trajectories(model, generator: torch.Generator) -> list[common_pb2.Tr
     trajectories = []
     for row in range(rows):
         generated = ids[row, len(PROMPT) :].tolist()
-        trajectory = common_pb2.Trajectory(group_id=f"g{row // GROUP_SIZE}")
-        trajectory.segments.add(source=common_pb2.SEGMENT_SOURCE_PROMPT, token_ids=PROMPT)
-        trajectory.segments.add(
-            source=common_pb2.SEGMENT_SOURCE_MODEL,
-            token_ids=generated,
-            logprobs=logprobs[row].tolist(),
+        segments = [
+            Segment(SegmentSource.PROMPT, PROMPT),
+            Segment(SegmentSource.MODEL, generated, logprobs[row].tolist()),
+        ]
+        reward = common_pb2.Reward(score=generated.count(TARGET_TOKEN) / NEW_TOKENS)
+        trajectories.append(
+            Trajectory(f"t{row}", f"g{row // GROUP_SIZE}", row, segments, reward=reward)
         )
-        trajectory.loss_mask.extend([False] * len(PROMPT) + [True] * NEW_TOKENS)
-        trajectory.reward.score = generated.count(TARGET_TOKEN) / NEW_TOKENS
-        trajectories.append(trajectory)
     return trajectories
 
 

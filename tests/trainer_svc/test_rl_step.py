@@ -16,36 +16,37 @@ from trainer_svc.rl_step import (
     rollout_metrics,
     trainable,
 )
+from turnrl.trajectory import FinishReason, Segment, Trajectory
+from turnrl.trajectory import SegmentSource as Source
 from turnrl.v1 import common_pb2
 
-Source = common_pb2.SegmentSource
 
-
-def trajectory(group: str, reward: float, segments, acc: bool | None = None):
+def trajectory(group: str, reward: float, segments, acc: bool | None = None) -> Trajectory:
     """A trajectory of (source, token ids, logprobs) segments, as the rollout service sends."""
-    result = common_pb2.Trajectory(trajectory_id=f"{group}/x", group_id=group)
-    for source, ids, logprobs in segments:
-        result.segments.add(source=source, token_ids=ids, logprobs=logprobs)
-        result.loss_mask.extend([source == Source.SEGMENT_SOURCE_MODEL] * len(ids))
-        result.response_mask.extend([source != Source.SEGMENT_SOURCE_PROMPT] * len(ids))
-    result.reward.score = reward
+    result = Trajectory(
+        trajectory_id=f"{group}/x",
+        group_id=group,
+        sample_index=0,
+        segments=[Segment(source, ids, logprobs) for source, ids, logprobs in segments],
+        finish_reason=FinishReason.STOP,
+        metrics={"tool_calls": 1.0, "tool_errors": 0.0},
+        reward=common_pb2.Reward(score=reward),
+    )
     if acc is not None:
         result.reward.extras.update({"acc": acc})
-    result.finish_reason = common_pb2.FINISH_REASON_STOP
-    result.metrics.update({"tool_calls": 1.0, "tool_errors": 0.0})
     return result
 
 
 TWO_TURNS = [
-    (Source.SEGMENT_SOURCE_PROMPT, [1, 2, 3], []),
-    (Source.SEGMENT_SOURCE_MODEL, [4, 5], [-0.5, -0.25]),
-    (Source.SEGMENT_SOURCE_TOOL, [6, 7, 8], []),
-    (Source.SEGMENT_SOURCE_MODEL, [9], [-1.5]),
+    (Source.PROMPT, [1, 2, 3], []),
+    (Source.MODEL, [4, 5], [-0.5, -0.25]),
+    (Source.TOOL, [6, 7, 8], []),
+    (Source.MODEL, [9], [-1.5]),
 ]
 
 
 def test_rollout_batch_keeps_the_engines_tokens_and_logprobs_in_place():
-    short = [(Source.SEGMENT_SOURCE_PROMPT, [1, 2], []), (Source.SEGMENT_SOURCE_MODEL, [3], [-2.0])]
+    short = [(Source.PROMPT, [1, 2], []), (Source.MODEL, [3], [-2.0])]
     rollouts = rollout_batch(
         [trajectory("a", 1.0, TWO_TURNS), trajectory("b", 0.0, short), trajectory("a", 0.5, short)],
         pad_token_id=0,
@@ -61,7 +62,7 @@ def test_rollout_batch_keeps_the_engines_tokens_and_logprobs_in_place():
 
 
 def test_dynamic_sampling_keeps_groups_whose_rewards_differ():
-    short = [(Source.SEGMENT_SOURCE_PROMPT, [1], []), (Source.SEGMENT_SOURCE_MODEL, [2], [-1.0])]
+    short = [(Source.PROMPT, [1], []), (Source.MODEL, [2], [-1.0])]
     batch = [
         trajectory("same", 1.0, short),
         trajectory("mixed", 1.0, short),
@@ -73,10 +74,10 @@ def test_dynamic_sampling_keeps_groups_whose_rewards_differ():
 
 
 def test_trainable_needs_model_tokens_and_a_normal_end():
-    prompt_only = trajectory("g", 0.0, [(Source.SEGMENT_SOURCE_PROMPT, [1, 2], [])])
+    prompt_only = trajectory("g", 0.0, [(Source.PROMPT, [1, 2], [])])
     assert not trainable(prompt_only)
     aborted = trajectory("g", 0.0, TWO_TURNS)
-    aborted.finish_reason = common_pb2.FINISH_REASON_ABORTED
+    aborted.finish_reason = FinishReason.ABORTED
     assert not trainable(aborted) and trainable(trajectory("g", 0.0, TWO_TURNS))
 
 

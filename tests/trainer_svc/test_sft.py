@@ -6,26 +6,31 @@ import contextlib
 import json
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainer_svc.config import TrainerConfig, TrainSettings
-from trainer_svc.data import ConversationRecord
+from trainer_svc.data import ConversationRecord, load_conversations
 from trainer_svc.fsdp import FsdpPolicy
 from trainer_svc.ranks import Ranks
 from trainer_svc.server import TrainerServicer
 from trainer_svc.service import TrainerService
-from trainer_svc.sft import SftController, examples_batch, sft_loss, tokenize_conversations
+from trainer_svc.sft import (
+    SftController,
+    examples_batch,
+    sft_in_process,
+    sft_loss,
+    tokenize_conversations,
+)
 from turnrl import rpc
 from turnrl.calculator_data import TOOLS, ProblemSettings, generate_problems
 from turnrl.config import REPO_ROOT, ClientConfig, ServerConfig
-from turnrl.errors import ConfigError
-from turnrl.tiny_model import build_tiny_model
+from turnrl.errors import ConfigError, InvalidArgumentError
 from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
-from turnrl_cli.launcher import load_with_tiny_model
+from turnrl_cli.model_paths import load_with_tiny_model
+from turnrl_demo.tiny_model import build_tiny_model
 
 from ..conftest import EXAMPLE_CONFIG, run_turnrl, serve_in_process
 
@@ -133,7 +138,7 @@ async def test_an_sft_run_of_one_epoch_logs_evaluates_checkpoints_and_exports(
     config = sft_config_yaml(
         tmp_path, run_name="epoch", sft={"conversations_per_step": 4, "epochs": 1}
     )
-    async with trainer_stub() as stub:
+    async with trainer_stub(str(tiny_model_dir)) as stub:
         started, run, events = await run_to_end(stub, config)
     assert started.total_steps == 0  # an epoch's steps are counted from the data, at setup
     assert run.state == State.STATE_SUCCEEDED, run.error_message
@@ -175,11 +180,10 @@ async def test_an_sft_run_of_one_epoch_logs_evaluates_checkpoints_and_exports(
 )
 async def test_bad_sft_configs_are_invalid_arguments(tmp_path, trainer, message):
     async with trainer_stub() as stub:
-        with pytest.raises(grpc.aio.AioRpcError) as info:
+        with pytest.raises(InvalidArgumentError) as info:
             config = sft_config_yaml(tmp_path, **trainer)
             await stub.StartRun(trainer_pb2.StartRunRequest(config_yaml=config), timeout=30)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert message in info.value.details()
+    assert message in info.value.details
 
 
 async def test_bad_sft_data_fails_the_run_naming_the_conversation(tiny_model_dir, tmp_path):
@@ -188,7 +192,7 @@ async def test_bad_sft_data_fails_the_run_naming_the_conversation(tiny_model_dir
     bad = {"messages": [{"role": "user", "content": "Hi"}, *good["messages"][1:] * 2]}
     data.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
     config = sft_config_yaml(tmp_path, data={"train_files": [str(data)]})
-    async with trainer_stub() as stub:
+    async with trainer_stub(str(tiny_model_dir)) as stub:
         _, run, _ = await run_to_end(stub, config)
     assert run.state == State.STATE_FAILED
     assert "conversation chats-1: two assistant messages in a row" in run.error_message
@@ -196,7 +200,13 @@ async def test_bad_sft_data_fails_the_run_naming_the_conversation(tiny_model_dir
 
 async def test_a_stopped_sft_run_resumes_where_it_stopped(tiny_model_dir, tmp_path):
     config = TrainerConfig.model_validate(
-        {**SMALL_SFT_RUN, "steps": 4, "eval_every": 0, "checkpoint_every": 0}
+        {
+            **SMALL_SFT_RUN,
+            "model_path": str(tiny_model_dir),
+            "steps": 4,
+            "eval_every": 0,
+            "checkpoint_every": 0,
+        }
     )
     for name in ("whole", "stopped"):
         (tmp_path / name).mkdir()  # as StartRun makes it
@@ -219,6 +229,53 @@ async def test_a_stopped_sft_run_resumes_where_it_stopped(tiny_model_dir, tmp_pa
     assert losses(tmp_path / "stopped") == pytest.approx(losses(tmp_path / "whole"), rel=1e-5)
     for name, tensor in whole.ranks.models.policy.full_state_dict().items():
         torch.testing.assert_close(resumed.ranks.models.policy.full_state_dict()[name], tensor)
+
+
+async def test_a_run_without_any_model_is_refused_naming_trainer_model_path(tmp_path):
+    """No service builds the tiny model for itself: StartRun refuses a run that names no model
+    on a service started without one."""
+    config = sft_config_yaml(tmp_path, run_name="no-model", steps=1)
+    async with trainer_stub() as stub:
+        with pytest.raises(InvalidArgumentError, match=r"trainer\.model_path is null"):
+            await stub.StartRun(trainer_pb2.StartRunRequest(config_yaml=config), timeout=30)
+    assert not (tmp_path / "no-model").exists()
+
+
+async def test_sft_in_process_takes_the_steps_of_an_sft_run(tiny_model_dir, tmp_path):
+    """The in-process SFT (the tiny demo model's fine-tuning) is an SftController run's steps:
+    the same batches, loss and schedule, so the same losses."""
+    config = TrainerConfig.model_validate(
+        {
+            **SMALL_SFT_RUN,
+            "model_path": str(tiny_model_dir),
+            "steps": 3,
+            "eval_every": 0,
+            "checkpoint_every": 0,
+            "optim": {"learning_rate": 0.001, "warmup_steps": 1, "lr_schedule": "cosine"},
+        }
+    )
+    await SftController(config, tmp_path, lambda event: None, Ranks()).run(resume=False)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    run_metrics = [record for record in map(json.loads, lines) if "train/loss" in record]
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    train, _ = load_conversations(config.data, config.seed)
+    examples = tokenize_conversations(tokenizer, train, config.sft.max_length)
+    steps = []
+    sft_in_process(
+        tiny_model_dir,
+        examples,
+        tokenizer.pad_token_id,
+        sft=config.sft,
+        optim=config.optim,
+        steps=config.steps,
+        seed=config.seed,
+        on_step=lambda step, total, metrics: steps.append((step, total, metrics)),
+    )
+    assert [(step, total) for step, total, _ in steps] == [(1, 3), (2, 3), (3, 3)]
+    for (_, _, metrics), logged in zip(steps, run_metrics, strict=True):
+        assert metrics["loss"] == pytest.approx(logged["train/loss"], rel=1e-5)
+        assert metrics["lr"] == pytest.approx(logged["train/lr"], rel=1e-9)
 
 
 async def test_turnrl_run_trains_the_example_in_the_trainer_service_alone(tiny_model_dir, tmp_path):

@@ -10,13 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-from turnrl import rpc
+from turnrl import errors, rpc
 from turnrl.config import ClientConfig
 from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
 
@@ -76,7 +75,6 @@ def run_config(services: dict[str, str], output_dir: Path, **trainer) -> str:
     project["trainer"].update(
         output_dir=str(output_dir),
         rollout_service={"address": services["rollout"]},
-        tool_service={"address": services["tool"]},
         **trainer,
     )
     return yaml.safe_dump(project)
@@ -174,11 +172,10 @@ async def test_stop_and_save_checkpoint_during_a_run(services, tmp_path):
             trainer_pb2.SaveCheckpointRequest(run_name="long"), timeout=300
         )
         assert saved.step >= 1 and (Path(saved.checkpoint_dir) / "state.pt").exists()
-        with pytest.raises(grpc.aio.AioRpcError) as info:  # one run at a time
+        with pytest.raises(errors.FailedPreconditionError):  # one run at a time
             await stub.StartRun(
                 trainer_pb2.StartRunRequest(config_yaml=config, run_name="other"), timeout=60
             )
-        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         stopped = await stub.StopRun(
             trainer_pb2.StopRunRequest(run_name="long", save_checkpoint=True), timeout=300
         )
@@ -187,9 +184,8 @@ async def test_stop_and_save_checkpoint_during_a_run(services, tmp_path):
         assert (tmp_path / "long" / "checkpoints" / f"step_{stopped.run.step:06d}").is_dir()
         again = await stub.StopRun(trainer_pb2.StopRunRequest(run_name="long"), timeout=10)
         assert again.run.state == State.STATE_STOPPED
-        with pytest.raises(grpc.aio.AioRpcError) as info:
+        with pytest.raises(errors.FailedPreconditionError):
             await stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(run_name="long"))
-        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
 async def test_turnrl_run_submits_to_services_already_running(services, tmp_path):
@@ -198,7 +194,6 @@ async def test_turnrl_run_submits_to_services_already_running(services, tmp_path
         "run", "--config", str(EXAMPLE_CONFIG),
         f"trainer_service.address={services['trainer']}",
         f"trainer.rollout_service.address={services['rollout']}",
-        f"trainer.tool_service.address={services['tool']}",
         f"trainer.output_dir={tmp_path}", "trainer.run_name=elsewhere", "trainer.steps=1",
         "trainer.eval_every=0", "trainer.rollout.prompts_per_step=2",
         "trainer.rollout.samples_per_prompt=2", "trainer.data.generated_eval_size=4",
@@ -211,23 +206,23 @@ async def test_turnrl_run_submits_to_services_already_running(services, tmp_path
 
 
 @pytest.mark.parametrize(
-    ("request_fields", "code", "message"),
+    ("request_fields", "status", "message"),
     [
-        ({"run_name": "nope"}, grpc.StatusCode.NOT_FOUND, "no run 'nope'"),
-        ({"config_yaml": "trainer: {stpes: 1}"}, grpc.StatusCode.INVALID_ARGUMENT, "stpes"),
-        ({"config_yaml": "[1, 2"}, grpc.StatusCode.INVALID_ARGUMENT, "not YAML"),
+        ({"run_name": "nope"}, "NOT_FOUND", "no run 'nope'"),
+        ({"config_yaml": "trainer: {stpes: 1}"}, "INVALID_ARGUMENT", "stpes"),
+        ({"config_yaml": "[1, 2"}, "INVALID_ARGUMENT", "not YAML"),
     ],
 )
-async def test_bad_requests(services, request_fields, code, message):
+async def test_bad_requests(services, request_fields, status, message):
     async with rpc.open_channel(ClientConfig(address=services["trainer"])) as channel:
         stub = trainer_pb2_grpc.TrainerServiceStub(channel)
-        with pytest.raises(grpc.aio.AioRpcError) as info:
+        with pytest.raises(errors.RpcError) as info:
             if "config_yaml" in request_fields:
                 await stub.StartRun(trainer_pb2.StartRunRequest(**request_fields), timeout=30)
             else:
                 await stub.GetRun(trainer_pb2.GetRunRequest(**request_fields), timeout=30)
-    assert info.value.code() == code
-    assert message in info.value.details()
+    assert info.value.status == status
+    assert message in info.value.details
 
 
 async def test_an_existing_run_is_not_overwritten(services, tmp_path):
@@ -236,10 +231,9 @@ async def test_an_existing_run_is_not_overwritten(services, tmp_path):
     async with rpc.open_channel(ClientConfig(address=services["trainer"])) as channel:
         stub = trainer_pb2_grpc.TrainerServiceStub(channel)
         config = run_config(services, tmp_path, run_name="taken")
-        with pytest.raises(grpc.aio.AioRpcError) as info:
+        with pytest.raises(errors.AlreadyExistsError) as info:
             await stub.StartRun(trainer_pb2.StartRunRequest(config_yaml=config), timeout=30)
-    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
-    assert "--resume" in info.value.details()
+    assert "--resume" in info.value.details
 
 
 async def run_to_end(address: str, config: str, name: str) -> list:
@@ -294,10 +288,9 @@ async def test_a_two_rank_trainer_service_trains_as_one_rank_does(
         async with rpc.open_channel(ClientConfig(address=two_ranks.address)) as channel:
             stub = trainer_pb2_grpc.TrainerServiceStub(channel)
             config = run_config(services, tmp_path, run_name="mismatch", ranks=1)
-            with pytest.raises(grpc.aio.AioRpcError) as info:
+            with pytest.raises(errors.FailedPreconditionError) as info:
                 await stub.StartRun(trainer_pb2.StartRunRequest(config_yaml=config), timeout=30)
-        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "this trainer service runs 2" in info.value.details()
+        assert "this trainer service runs 2" in info.value.details
         ranks = children(two_ranks.process.pid)
         assert len(ranks) == 2
         # torchrun passes SIGTERM on; rank 0 stops serving and ends rank 1's loop. (torchrun
@@ -357,7 +350,7 @@ async def test_turnrl_run_killed_and_resumed_reproduces_the_next_step(
         reference = await spawn_turnrl(
             *run,
             "trainer.run_name=whole",
-            f"trainer.tool_service.address={tool.address}",
+            f"rollout.tool_service.address={tool.address}",
             f"rollout.reward_service.address={reward.address}",
         )
         _, stderr = await reference.communicate()

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 from turnrl.chat_tokens import conversation_ids_and_loss_mask
 from turnrl.errors import FailedPreconditionError, InvalidArgumentError
 
-from ..rollout_svc.test_chat_tokens import (
+from ..rollout_svc.chat_template_cases import (
     CASES,
     CONVERSATIONS,
     TOKENIZERS,

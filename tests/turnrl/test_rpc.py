@@ -1,5 +1,6 @@
-"""gRPC plumbing on real loopback servers: status mapping, auth, TLS, limits, deadlines,
-retries, graceful drain. A small probe servicer stands in for service logic."""
+"""gRPC plumbing on real loopback servers: status mapping both ways (turnrl error -> status on
+the server, status -> turnrl error on `open_channel`'s channels), auth, TLS, limits, deadlines,
+retries, graceful drain. Small probe servicers stand in for service logic."""
 
 import asyncio
 import contextlib
@@ -26,16 +27,23 @@ TOKEN_ENV = "TURNRL_TEST_RPC_TOKEN"
 
 
 class ProbeToolServicer(tool_pb2_grpc.ToolServiceServicer):
-    """Execute behaves as `tool_name` says; ListTools answers; the rest stay UNIMPLEMENTED."""
+    """Execute behaves as `tool_name` says; ListTools answers after `unavailable` UNAVAILABLEs;
+    the rest stay UNIMPLEMENTED."""
 
-    def __init__(self) -> None:
+    def __init__(self, unavailable: int = 0) -> None:
         self.started = asyncio.Event()
         self.release = asyncio.Event()
+        self.unavailable = unavailable
 
     async def ListTools(self, request, context):
+        if self.unavailable:
+            self.unavailable -= 1
+            raise errors.UnavailableError("warming up")
         return tool_pb2.ListToolsResponse(tools=[tool_pb2.ToolInfo(max_concurrency=3)])
 
     async def Execute(self, request, context):
+        if request.tool_name in grpc.StatusCode.__members__:
+            await context.abort(grpc.StatusCode[request.tool_name], "probe details")
         if request.tool_name == "block":
             self.started.set()
             await self.release.wait()
@@ -47,11 +55,16 @@ class ProbeToolServicer(tool_pb2_grpc.ToolServiceServicer):
 
 
 class ProbeRolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    """Generate streams one trajectory, then fails with INVALID_ARGUMENT."""
+    """Generate streams one trajectory, then fails with INVALID_ARGUMENT; PushWeights reads
+    every request, then fails with FAILED_PRECONDITION."""
 
     async def Generate(self, request, context):
         yield rollout_pb2.GenerateResponse()
         raise errors.InvalidArgumentError(f"bad n {request.n!r}")
+
+    async def PushWeights(self, request_iterator, context):
+        count = len([request async for request in request_iterator])
+        raise errors.FailedPreconditionError(f"paused after {count} requests")
 
 
 ERRORS_BY_NAME = {error.__name__: error for error in rpc.STATUS_BY_ERROR}
@@ -90,23 +103,47 @@ async def test_serving_health_and_reflection():
 
 
 @pytest.mark.parametrize(("error_type", "code"), list(rpc.STATUS_BY_ERROR.items()))
-async def test_domain_errors_map_to_their_status(error_type, code):
+async def test_domain_errors_map_to_their_status_and_back(error_type, code):
     async with running_server(ServerConfig(port=0)) as running, client(running) as channel:
         stub = tool_pb2_grpc.ToolServiceStub(channel)
         request = tool_pb2.ExecuteRequest(tool_name=error_type.__name__, arguments="x=41")
-        with pytest.raises(grpc.aio.AioRpcError) as info:
+        with pytest.raises(errors.RpcError) as info:
             await stub.Execute(request, timeout=5)
-        assert info.value.code() == code
-        assert "'x=41'" in info.value.details()
+    assert info.value.status == code.name
+    assert type(info.value) is rpc.RPC_ERROR_BY_STATUS[code]
+    assert "'x=41'" in info.value.details
+
+
+@pytest.mark.parametrize("code", [c for c in grpc.StatusCode if c != grpc.StatusCode.OK])
+async def test_every_status_raises_its_turnrl_error(code):
+    async with running_server(ServerConfig(port=0)) as running, client(running) as channel:
+        stub = tool_pb2_grpc.ToolServiceStub(channel)
+        with pytest.raises(errors.RpcError) as info:
+            await stub.Execute(tool_pb2.ExecuteRequest(tool_name=code.name), timeout=5)
+    error = info.value
+    assert type(error) is rpc.RPC_ERROR_BY_STATUS.get(code, errors.RpcError)
+    domain = {c: e for e, c in rpc.STATUS_BY_ERROR.items() if e is not errors.ConfigError}
+    if code in domain:
+        assert isinstance(error, domain[code])  # `except NotFoundError` catches it too
+    assert (error.method, error.status, error.details) == (
+        "/turnrl.v1.ToolService/Execute",
+        code.name,
+        "probe details",
+    )
+    assert error.address == f"127.0.0.1:{running.port}"
+    assert str(error) == (
+        f"/turnrl.v1.ToolService/Execute at 127.0.0.1:{running.port} failed: "
+        f"{code.name}: probe details"
+    )
 
 
 async def test_unexpected_error_is_internal_without_details(caplog):
     async with running_server(ServerConfig(port=0)) as running, client(running) as channel:
         stub = tool_pb2_grpc.ToolServiceStub(channel)
-        with pytest.raises(grpc.aio.AioRpcError) as info:
+        with pytest.raises(errors.RpcError) as info:
             await stub.Execute(tool_pb2.ExecuteRequest(tool_name="bug"), timeout=5)
-    assert info.value.code() == grpc.StatusCode.INTERNAL
-    assert "internal-secret-detail" not in info.value.details()
+    assert info.value.status == "INTERNAL"
+    assert "internal-secret-detail" not in info.value.details
     assert "internal-secret-detail" in caplog.text  # the traceback is logged on the server
 
 
@@ -120,22 +157,45 @@ async def test_streaming_error_maps_after_items_were_sent():
             rollout_pb2.GenerateRequest(n=-3), timeout=5
         )
         received = []
-        with pytest.raises(grpc.aio.AioRpcError) as info:
+        with pytest.raises(errors.InvalidArgumentError) as info:
             async for response in call:
                 received.append(response)
     assert len(received) == 1
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "-3" in info.value.details()
+    assert isinstance(info.value, errors.RpcInvalidArgumentError)
+    assert info.value.method == "/turnrl.v1.RolloutService/Generate"
+    assert "-3" in info.value.details
+
+
+async def push_requests(count: int):
+    for _ in range(count):
+        yield rollout_pb2.PushWeightsRequest()
+
+
+async def test_client_streaming_error_is_raised_when_awaited():
+    config = ServerConfig(port=0)
+    async with (
+        running_server(config, ProbeRolloutServicer(), ROLLOUT_SERVICE) as running,
+        client(running) as channel,
+    ):
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        with pytest.raises(errors.RpcFailedPreconditionError, match="after 3 requests"):
+            await stub.PushWeights(push_requests(3), timeout=5)
+        call = stub.PushWeights(timeout=5)  # requests written one by one, not an iterator
+        for _ in range(2):
+            await call.write(rollout_pb2.PushWeightsRequest())
+        await call.done_writing()
+        with pytest.raises(errors.FailedPreconditionError, match="after 2 requests"):
+            await call
 
 
 async def test_unimplemented_rpc_names_the_method():
     async with running_server(ServerConfig(port=0)) as running, client(running) as channel:
-        with pytest.raises(grpc.aio.AioRpcError) as info:
+        with pytest.raises(errors.RpcError) as info:
             await tool_pb2_grpc.ToolServiceStub(channel).CalcReward(
                 tool_pb2.CalcRewardRequest(), timeout=5
             )
-    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "ToolService/CalcReward" in info.value.details()
+    assert info.value.status == "UNIMPLEMENTED"
+    assert "ToolService/CalcReward" in info.value.details
 
 
 async def test_bearer_token_is_required_except_for_health(monkeypatch):
@@ -149,10 +209,10 @@ async def test_bearer_token_is_required_except_for_health(monkeypatch):
                 )
                 async with channel_with_token:
                     stub = tool_pb2_grpc.ToolServiceStub(channel_with_token)
-                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                    with pytest.raises(errors.RpcError) as info:
                         await stub.ListTools(tool_pb2.ListToolsRequest(), timeout=5)
-                    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-                    assert info.value.details() == reason
+                    assert info.value.status == "UNAUTHENTICATED"
+                    assert info.value.details == reason
                     health = await health_pb2_grpc.HealthStub(channel_with_token).Check(
                         health_pb2.HealthCheckRequest(), timeout=5
                     )
@@ -174,10 +234,14 @@ async def test_bearer_token_guards_streaming_rpcs(monkeypatch):
         call = rollout_pb2_grpc.RolloutServiceStub(channel).Generate(
             rollout_pb2.GenerateRequest(), timeout=5
         )
-        with pytest.raises(grpc.aio.AioRpcError) as info:
+        with pytest.raises(errors.RpcError) as info:
             async for _ in call:
                 pass
-    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert info.value.status == "UNAUTHENTICATED"
+        with pytest.raises(errors.RpcError) as info:  # reflection: a bidirectional stream
+            await rpc.list_services(channel, timeout_seconds=5)
+    assert info.value.status == "UNAUTHENTICATED"
+    assert info.value.method == "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
 
 
 def channel_config(running: rpc.RunningServer) -> ClientConfig:
@@ -238,9 +302,8 @@ async def test_tls_server_accepts_tls_clients_only(tmp_path):
         address = f"127.0.0.1:{running.port}"
         reply = await list_tools(ClientConfig(address=address, tls_ca_file=certs["ca"]))
         assert reply.tools[0].max_concurrency == 3
-        with pytest.raises(grpc.aio.AioRpcError) as info:
+        with pytest.raises(errors.UnavailableError):
             await list_tools(ClientConfig(address=address))
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 async def test_mutual_tls_requires_a_client_certificate(tmp_path):
@@ -250,9 +313,8 @@ async def test_mutual_tls_requires_a_client_certificate(tmp_path):
     )
     async with running_server(ServerConfig(port=0, tls=tls)) as running:
         address = f"127.0.0.1:{running.port}"
-        with pytest.raises(grpc.aio.AioRpcError) as info:
+        with pytest.raises(errors.UnavailableError):
             await list_tools(ClientConfig(address=address, tls_ca_file=certs["ca"]))
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         reply = await list_tools(
             ClientConfig(
                 address=address,
@@ -274,9 +336,8 @@ async def test_oversized_request_is_rejected():
     config = ServerConfig(port=0, max_message_bytes=1024)
     async with running_server(config) as running, client(running) as channel:
         request = tool_pb2.ExecuteRequest(tool_name="block", arguments="x" * 4096)
-        with pytest.raises(grpc.aio.AioRpcError) as info:
+        with pytest.raises(errors.RpcResourceExhaustedError):
             await tool_pb2_grpc.ToolServiceStub(channel).Execute(request, timeout=5)
-    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 async def test_bind_conflict_is_an_os_error():
@@ -293,11 +354,10 @@ async def test_default_deadline_applies_to_calls_without_timeout():
         running_server(ServerConfig(port=0), servicer) as running,
         client(running, timeout_seconds=0.3) as channel,
     ):
-        with pytest.raises(grpc.aio.AioRpcError) as info:
+        with pytest.raises(errors.RpcDeadlineExceededError):
             await tool_pb2_grpc.ToolServiceStub(channel).Execute(
                 tool_pb2.ExecuteRequest(tool_name="block")
             )
-    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert servicer.started.is_set()
 
 
@@ -338,13 +398,15 @@ async def test_stop_cancels_calls_still_running_after_the_grace():
         )
         await servicer.started.wait()
         await rpc.stop_server(running, grace_seconds=0.2)
-        with pytest.raises(grpc.aio.AioRpcError) as info:
+        with pytest.raises(errors.RpcError) as info:
             await call
-    assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+    assert info.value.status in ("UNAVAILABLE", "CANCELLED")
 
 
-def rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="probe")
+def rpc_error(code: grpc.StatusCode) -> errors.RpcError:
+    return rpc.RPC_ERROR_BY_STATUS.get(code, errors.RpcError)(
+        "probe", method="/probe", address="probe:1", status=code.name, details="probe"
+    )
 
 
 class FlakyMethod:
@@ -371,35 +433,47 @@ async def test_idempotent_call_retries_unavailable():
 
 async def test_idempotent_call_does_not_retry_other_codes():
     method = FlakyMethod(grpc.StatusCode.INVALID_ARGUMENT)
-    with pytest.raises(grpc.aio.AioRpcError):
+    with pytest.raises(errors.InvalidArgumentError):
         await rpc.call_idempotent(method, "q", timeout_seconds=10, max_attempts=3)
     assert len(method.timeouts) == 1
 
 
 async def test_idempotent_call_gives_up_after_max_attempts():
     method = FlakyMethod(*[grpc.StatusCode.UNAVAILABLE] * 5)
-    with pytest.raises(grpc.aio.AioRpcError) as info:
+    with pytest.raises(errors.UnavailableError):
         await rpc.call_idempotent(method, "q", timeout_seconds=10, max_attempts=2)
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert len(method.timeouts) == 2
 
 
 async def test_idempotent_call_never_retries_past_the_deadline():
     method = FlakyMethod(*[grpc.StatusCode.UNAVAILABLE] * 100)
-    with pytest.raises(grpc.aio.AioRpcError):
+    with pytest.raises(errors.UnavailableError):
         await rpc.call_idempotent(method, "q", timeout_seconds=0.3, max_attempts=100)
     assert 1 <= len(method.timeouts) < 100
 
 
-async def test_idempotent_call_through_a_real_server():
-    async with running_server(ServerConfig(port=0)) as running, client(running) as channel:
+async def test_idempotent_call_retries_unavailable_from_a_real_server():
+    servicer = ProbeToolServicer(unavailable=2)
+    async with (
+        running_server(ServerConfig(port=0), servicer) as running,
+        client(running) as channel,
+    ):
         reply = await rpc.call_idempotent(
             tool_pb2_grpc.ToolServiceStub(channel).ListTools,
             tool_pb2.ListToolsRequest(),
             timeout_seconds=5,
             max_attempts=3,
         )
-    assert reply.tools[0].max_concurrency == 3
+        assert reply.tools[0].max_concurrency == 3
+        assert servicer.unavailable == 0
+        servicer.unavailable = 2
+        with pytest.raises(errors.RpcUnavailableError, match="UNAVAILABLE: warming up"):
+            await rpc.call_idempotent(
+                tool_pb2_grpc.ToolServiceStub(channel).ListTools,
+                tool_pb2.ListToolsRequest(),
+                timeout_seconds=5,
+                max_attempts=2,
+            )
 
 
 async def test_wait_until_serving_names_the_address_on_timeout():

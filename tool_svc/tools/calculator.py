@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from tool_svc.tools.base import Tool, ToolCallError, ToolErrorKind, ToolResult
+from turnrl.calculator_data import CALCULATOR_TOOL
 from turnrl.config import StrictModel
 
 BINARY_OPERATORS = {
@@ -46,19 +47,9 @@ class CalculatorOptions(StrictModel):
 class CalculatorTool(Tool):
     """Evaluates an arithmetic expression exactly."""
 
-    schema: ClassVar[dict[str, Any]] = {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression exactly. Supports + - * / // % ** and "
-        "parentheses on integers and decimals, e.g. (3 + 4.5) * 2 / 5.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "expression": {"type": "string", "description": "The expression to evaluate."}
-            },
-            "required": ["expression"],
-            "additionalProperties": False,
-        },
-    }
+    # One schema for the served tool and the calculator task's conversations (which the tiny
+    # model is fine-tuned on), so the model learns the schema it is later shown.
+    schema: ClassVar[dict[str, Any]] = CALCULATOR_TOOL["function"]
     Options = CalculatorOptions
 
     async def execute(self, session: Any, args: dict[str, Any]) -> ToolResult:

@@ -27,7 +27,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from turnrl.v1 import common_pb2 as turnrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17turnrl/v1/rollout.proto\x12\tturnrl.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x16turnrl/v1/common.proto\"\x93\x03\n\rRolloutPrompt\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12$\n\x08messages\x18\x02 \x03(\x0b\x32\x12.turnrl.v1.Message\x12$\n\x05tools\x18\x03 \x03(\x0b\x32\x15.turnrl.v1.ToolSchema\x12-\n\x0ctools_kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x18\n\x10interaction_name\x18\x05 \x01(\t\x12\x33\n\x12interaction_kwargs\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x13\n\x0b\x64\x61ta_source\x18\x07 \x01(\t\x12,\n\x0cground_truth\x18\x08 \x01(\x0b\x32\x16.google.protobuf.Value\x12+\n\nextra_info\x18\t \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x35\n\x14\x63hat_template_kwargs\x18\n \x01(\x0b\x32\x17.google.protobuf.Struct\"\xb3\x01\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x05\x64type\x18\x02 \x01(\x0e\x32\x1b.turnrl.v1.TensorSpec.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"\\\n\x05\x44Type\x12\x16\n\x12\x44_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44_TYPE_FLOAT32\x10\x01\x12\x13\n\x0f\x44_TYPE_BFLOAT16\x10\x02\x12\x12\n\x0e\x44_TYPE_FLOAT16\x10\x03\"\xdc\x01\n\x0fGenerateRequest\x12)\n\x07prompts\x18\x01 \x03(\x0b\x32\x18.turnrl.v1.RolloutPrompt\x12\t\n\x01n\x18\x02 \x01(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.turnrl.v1.SamplingParams\x12\'\n\x06limits\x18\x04 \x01(\x0b\x32\x17.turnrl.v1.LengthLimits\x12\x11\n\tmax_turns\x18\x05 \x01(\x05\x12\x16\n\x0e\x65nable_scoring\x18\x06 \x01(\x08\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"=\n\x10GenerateResponse\x12)\n\ntrajectory\x18\x01 \x01(\x0b\x32\x15.turnrl.v1.Trajectory\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"-\n\rAbortResponse\x12\x1c\n\x14\x61\x62orted_trajectories\x18\x01 \x01(\x05\"\x0e\n\x0cPauseRequest\"G\n\rPauseResponse\x12\x1e\n\x16in_flight_trajectories\x18\x01 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\x0f\n\rResumeRequest\"(\n\x0eResumeResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"\xb0\x02\n\x15InitWeightSyncRequest\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x13\n\x0brank_offset\x18\x04 \x01(\x05\x12\x39\n\x07\x62\x61\x63kend\x18\x05 \x01(\x0e\x32(.turnrl.v1.InitWeightSyncRequest.Backend\x12\x12\n\ngroup_name\x18\x06 \x01(\t\x12*\n\x07timeout\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\"F\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x42\x41\x43KEND_NCCL\x10\x01\x12\x10\n\x0c\x42\x41\x43KEND_GLOO\x10\x02\".\n\x16InitWeightSyncResponse\x12\x14\n\x0cranks_joined\x18\x01 \x01(\x05\"\x85\x01\n\x14UpdateWeightsRequest\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12&\n\x07tensors\x18\x02 \x03(\x0b\x32\x15.turnrl.v1.TensorSpec\x12\x19\n\x11\x62ucket_size_bytes\x18\x03 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\"`\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x03\x12\x17\n\x0f\x65lapsed_seconds\x18\x03 \x01(\x01\"S\n\x11PushWeightsHeader\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.turnrl.v1.TensorSpec\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"G\n\x0bTensorChunk\x12\x14\n\x0ctensor_index\x18\x01 \x01(\x05\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"x\n\x12PushWeightsRequest\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.turnrl.v1.PushWeightsHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.turnrl.v1.TensorChunkH\x00\x42\t\n\x07payload\"E\n\x13PushWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x03\"\x11\n\x0fGetStatsRequest\"\xd5\x02\n\x10GetStatsResponse\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0e\n\x06paused\x18\x03 \x01(\x08\x12\x1c\n\x14running_trajectories\x18\x04 \x01(\x05\x12\x1c\n\x14waiting_trajectories\x18\x05 \x01(\x05\x12\x1d\n\x15\x66inished_trajectories\x18\x06 \x01(\x03\x12\x18\n\x10generated_tokens\x18\x07 \x01(\x03\x12)\n\x06uptime\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x39\n\x07metrics\x18\t \x03(\x0b\x32(.turnrl.v1.GetStatsResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xce\x04\n\x0eRolloutService\x12\x45\n\x08Generate\x12\x1a.turnrl.v1.GenerateRequest\x1a\x1b.turnrl.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.turnrl.v1.AbortRequest\x1a\x18.turnrl.v1.AbortResponse\x12:\n\x05Pause\x12\x17.turnrl.v1.PauseRequest\x1a\x18.turnrl.v1.PauseResponse\x12=\n\x06Resume\x12\x18.turnrl.v1.ResumeRequest\x1a\x19.turnrl.v1.ResumeResponse\x12U\n\x0eInitWeightSync\x12 .turnrl.v1.InitWeightSyncRequest\x1a!.turnrl.v1.InitWeightSyncResponse\x12R\n\rUpdateWeights\x12\x1f.turnrl.v1.UpdateWeightsRequest\x1a .turnrl.v1.UpdateWeightsResponse\x12N\n\x0bPushWeights\x12\x1d.turnrl.v1.PushWeightsRequest\x1a\x1e.turnrl.v1.PushWeightsResponse(\x01\x12\x43\n\x08GetStats\x12\x1a.turnrl.v1.GetStatsRequest\x1a\x1b.turnrl.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17turnrl/v1/rollout.proto\x12\tturnrl.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x16turnrl/v1/common.proto\"\x8e\x03\n\rRolloutPrompt\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12$\n\x08messages\x18\x02 \x03(\x0b\x32\x12.turnrl.v1.Message\x12\x12\n\ntool_names\x18\x0b \x03(\t\x12-\n\x0ctools_kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x18\n\x10interaction_name\x18\x05 \x01(\t\x12\x33\n\x12interaction_kwargs\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x13\n\x0b\x64\x61ta_source\x18\x07 \x01(\t\x12,\n\x0cground_truth\x18\x08 \x01(\x0b\x32\x16.google.protobuf.Value\x12+\n\nextra_info\x18\t \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x35\n\x14\x63hat_template_kwargs\x18\n \x01(\x0b\x32\x17.google.protobuf.StructJ\x04\x08\x03\x10\x04R\x05tools\"\xb3\x01\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x05\x64type\x18\x02 \x01(\x0e\x32\x1b.turnrl.v1.TensorSpec.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"\\\n\x05\x44Type\x12\x16\n\x12\x44_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44_TYPE_FLOAT32\x10\x01\x12\x13\n\x0f\x44_TYPE_BFLOAT16\x10\x02\x12\x12\n\x0e\x44_TYPE_FLOAT16\x10\x03\"\xdc\x01\n\x0fGenerateRequest\x12)\n\x07prompts\x18\x01 \x03(\x0b\x32\x18.turnrl.v1.RolloutPrompt\x12\t\n\x01n\x18\x02 \x01(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.turnrl.v1.SamplingParams\x12\'\n\x06limits\x18\x04 \x01(\x0b\x32\x17.turnrl.v1.LengthLimits\x12\x11\n\tmax_turns\x18\x05 \x01(\x05\x12\x16\n\x0e\x65nable_scoring\x18\x06 \x01(\x08\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"=\n\x10GenerateResponse\x12)\n\ntrajectory\x18\x01 \x01(\x0b\x32\x15.turnrl.v1.Trajectory\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"-\n\rAbortResponse\x12\x1c\n\x14\x61\x62orted_trajectories\x18\x01 \x01(\x05\"\x0e\n\x0cPauseRequest\"G\n\rPauseResponse\x12\x1e\n\x16in_flight_trajectories\x18\x01 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\x0f\n\rResumeRequest\"(\n\x0eResumeResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"\xb0\x02\n\x15InitWeightSyncRequest\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x13\n\x0brank_offset\x18\x04 \x01(\x05\x12\x39\n\x07\x62\x61\x63kend\x18\x05 \x01(\x0e\x32(.turnrl.v1.InitWeightSyncRequest.Backend\x12\x12\n\ngroup_name\x18\x06 \x01(\t\x12*\n\x07timeout\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\"F\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x42\x41\x43KEND_NCCL\x10\x01\x12\x10\n\x0c\x42\x41\x43KEND_GLOO\x10\x02\".\n\x16InitWeightSyncResponse\x12\x14\n\x0cranks_joined\x18\x01 \x01(\x05\"\x85\x01\n\x14UpdateWeightsRequest\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12&\n\x07tensors\x18\x02 \x03(\x0b\x32\x15.turnrl.v1.TensorSpec\x12\x19\n\x11\x62ucket_size_bytes\x18\x03 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\"`\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x03\x12\x17\n\x0f\x65lapsed_seconds\x18\x03 \x01(\x01\"S\n\x11PushWeightsHeader\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.turnrl.v1.TensorSpec\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"G\n\x0bTensorChunk\x12\x14\n\x0ctensor_index\x18\x01 \x01(\x05\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"x\n\x12PushWeightsRequest\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.turnrl.v1.PushWeightsHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.turnrl.v1.TensorChunkH\x00\x42\t\n\x07payload\"E\n\x13PushWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x03\"\x11\n\x0fGetStatsRequest\"\xd5\x02\n\x10GetStatsResponse\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0e\n\x06paused\x18\x03 \x01(\x08\x12\x1c\n\x14running_trajectories\x18\x04 \x01(\x05\x12\x1c\n\x14waiting_trajectories\x18\x05 \x01(\x05\x12\x1d\n\x15\x66inished_trajectories\x18\x06 \x01(\x03\x12\x18\n\x10generated_tokens\x18\x07 \x01(\x03\x12)\n\x06uptime\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x39\n\x07metrics\x18\t \x03(\x0b\x32(.turnrl.v1.GetStatsResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xce\x04\n\x0eRolloutService\x12\x45\n\x08Generate\x12\x1a.turnrl.v1.GenerateRequest\x1a\x1b.turnrl.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.turnrl.v1.AbortRequest\x1a\x18.turnrl.v1.AbortResponse\x12:\n\x05Pause\x12\x17.turnrl.v1.PauseRequest\x1a\x18.turnrl.v1.PauseResponse\x12=\n\x06Resume\x12\x18.turnrl.v1.ResumeRequest\x1a\x19.turnrl.v1.ResumeResponse\x12U\n\x0eInitWeightSync\x12 .turnrl.v1.InitWeightSyncRequest\x1a!.turnrl.v1.InitWeightSyncResponse\x12R\n\rUpdateWeights\x12\x1f.turnrl.v1.UpdateWeightsRequest\x1a .turnrl.v1.UpdateWeightsResponse\x12N\n\x0bPushWeights\x12\x1d.turnrl.v1.PushWeightsRequest\x1a\x1e.turnrl.v1.PushWeightsResponse(\x01\x12\x43\n\x08GetStats\x12\x1a.turnrl.v1.GetStatsRequest\x1a\x1b.turnrl.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,51 +37,51 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATSRESPONSE_METRICSENTRY']._loaded_options = None
   _globals['_GETSTATSRESPONSE_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_ROLLOUTPROMPT']._serialized_start=125
-  _globals['_ROLLOUTPROMPT']._serialized_end=528
-  _globals['_TENSORSPEC']._serialized_start=531
-  _globals['_TENSORSPEC']._serialized_end=710
-  _globals['_TENSORSPEC_DTYPE']._serialized_start=618
-  _globals['_TENSORSPEC_DTYPE']._serialized_end=710
-  _globals['_GENERATEREQUEST']._serialized_start=713
-  _globals['_GENERATEREQUEST']._serialized_end=933
-  _globals['_GENERATERESPONSE']._serialized_start=935
-  _globals['_GENERATERESPONSE']._serialized_end=996
-  _globals['_ABORTREQUEST']._serialized_start=998
-  _globals['_ABORTREQUEST']._serialized_end=1032
-  _globals['_ABORTRESPONSE']._serialized_start=1034
-  _globals['_ABORTRESPONSE']._serialized_end=1079
-  _globals['_PAUSEREQUEST']._serialized_start=1081
-  _globals['_PAUSEREQUEST']._serialized_end=1095
-  _globals['_PAUSERESPONSE']._serialized_start=1097
-  _globals['_PAUSERESPONSE']._serialized_end=1168
-  _globals['_RESUMEREQUEST']._serialized_start=1170
-  _globals['_RESUMEREQUEST']._serialized_end=1185
-  _globals['_RESUMERESPONSE']._serialized_start=1187
-  _globals['_RESUMERESPONSE']._serialized_end=1227
-  _globals['_INITWEIGHTSYNCREQUEST']._serialized_start=1230
-  _globals['_INITWEIGHTSYNCREQUEST']._serialized_end=1534
-  _globals['_INITWEIGHTSYNCREQUEST_BACKEND']._serialized_start=1464
-  _globals['_INITWEIGHTSYNCREQUEST_BACKEND']._serialized_end=1534
-  _globals['_INITWEIGHTSYNCRESPONSE']._serialized_start=1536
-  _globals['_INITWEIGHTSYNCRESPONSE']._serialized_end=1582
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1585
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1718
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1720
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1816
-  _globals['_PUSHWEIGHTSHEADER']._serialized_start=1818
-  _globals['_PUSHWEIGHTSHEADER']._serialized_end=1901
-  _globals['_TENSORCHUNK']._serialized_start=1903
-  _globals['_TENSORCHUNK']._serialized_end=1974
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=1976
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=2096
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=2098
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=2167
-  _globals['_GETSTATSREQUEST']._serialized_start=2169
-  _globals['_GETSTATSREQUEST']._serialized_end=2186
-  _globals['_GETSTATSRESPONSE']._serialized_start=2189
-  _globals['_GETSTATSRESPONSE']._serialized_end=2530
-  _globals['_GETSTATSRESPONSE_METRICSENTRY']._serialized_start=2484
-  _globals['_GETSTATSRESPONSE_METRICSENTRY']._serialized_end=2530
-  _globals['_ROLLOUTSERVICE']._serialized_start=2533
-  _globals['_ROLLOUTSERVICE']._serialized_end=3123
+  _globals['_ROLLOUTPROMPT']._serialized_end=523
+  _globals['_TENSORSPEC']._serialized_start=526
+  _globals['_TENSORSPEC']._serialized_end=705
+  _globals['_TENSORSPEC_DTYPE']._serialized_start=613
+  _globals['_TENSORSPEC_DTYPE']._serialized_end=705
+  _globals['_GENERATEREQUEST']._serialized_start=708
+  _globals['_GENERATEREQUEST']._serialized_end=928
+  _globals['_GENERATERESPONSE']._serialized_start=930
+  _globals['_GENERATERESPONSE']._serialized_end=991
+  _globals['_ABORTREQUEST']._serialized_start=993
+  _globals['_ABORTREQUEST']._serialized_end=1027
+  _globals['_ABORTRESPONSE']._serialized_start=1029
+  _globals['_ABORTRESPONSE']._serialized_end=1074
+  _globals['_PAUSEREQUEST']._serialized_start=1076
+  _globals['_PAUSEREQUEST']._serialized_end=1090
+  _globals['_PAUSERESPONSE']._serialized_start=1092
+  _globals['_PAUSERESPONSE']._serialized_end=1163
+  _globals['_RESUMEREQUEST']._serialized_start=1165
+  _globals['_RESUMEREQUEST']._serialized_end=1180
+  _globals['_RESUMERESPONSE']._serialized_start=1182
+  _globals['_RESUMERESPONSE']._serialized_end=1222
+  _globals['_INITWEIGHTSYNCREQUEST']._serialized_start=1225
+  _globals['_INITWEIGHTSYNCREQUEST']._serialized_end=1529
+  _globals['_INITWEIGHTSYNCREQUEST_BACKEND']._serialized_start=1459
+  _globals['_INITWEIGHTSYNCREQUEST_BACKEND']._serialized_end=1529
+  _globals['_INITWEIGHTSYNCRESPONSE']._serialized_start=1531
+  _globals['_INITWEIGHTSYNCRESPONSE']._serialized_end=1577
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1580
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1713
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1715
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1811
+  _globals['_PUSHWEIGHTSHEADER']._serialized_start=1813
+  _globals['_PUSHWEIGHTSHEADER']._serialized_end=1896
+  _globals['_TENSORCHUNK']._serialized_start=1898
+  _globals['_TENSORCHUNK']._serialized_end=1969
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=1971
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=2091
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=2093
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=2162
+  _globals['_GETSTATSREQUEST']._serialized_start=2164
+  _globals['_GETSTATSREQUEST']._serialized_end=2181
+  _globals['_GETSTATSRESPONSE']._serialized_start=2184
+  _globals['_GETSTATSRESPONSE']._serialized_end=2525
+  _globals['_GETSTATSRESPONSE_METRICSENTRY']._serialized_start=2479
+  _globals['_GETSTATSRESPONSE_METRICSENTRY']._serialized_end=2525
+  _globals['_ROLLOUTSERVICE']._serialized_start=2528
+  _globals['_ROLLOUTSERVICE']._serialized_end=3118
 # @@protoc_insertion_point(module_scope)

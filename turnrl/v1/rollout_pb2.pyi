@@ -34,7 +34,7 @@ class RolloutPrompt(_message.Message):
 
     PROMPT_ID_FIELD_NUMBER: _builtins.int
     MESSAGES_FIELD_NUMBER: _builtins.int
-    TOOLS_FIELD_NUMBER: _builtins.int
+    TOOL_NAMES_FIELD_NUMBER: _builtins.int
     TOOLS_KWARGS_FIELD_NUMBER: _builtins.int
     INTERACTION_NAME_FIELD_NUMBER: _builtins.int
     INTERACTION_KWARGS_FIELD_NUMBER: _builtins.int
@@ -55,8 +55,11 @@ class RolloutPrompt(_message.Message):
         """The conversation so far; the model answers after the last message."""
 
     @_builtins.property
-    def tools(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolSchema]:
-        """Tools the model may call, rendered into the prompt by the chat template."""
+    def tool_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Names of the tools the model may call, as the tool service serves them. The
+        rollout service renders their schemas (from the tool service's ListTools) into
+        the prompt; a name the tool service does not serve is INVALID_ARGUMENT.
+        """
 
     @_builtins.property
     def tools_kwargs(self) -> _struct_pb2.Struct:
@@ -85,7 +88,7 @@ class RolloutPrompt(_message.Message):
         *,
         prompt_id: _builtins.str = ...,
         messages: _abc.Iterable[_common_pb2.Message] | None = ...,
-        tools: _abc.Iterable[_common_pb2.ToolSchema] | None = ...,
+        tool_names: _abc.Iterable[_builtins.str] | None = ...,
         tools_kwargs: _struct_pb2.Struct | None = ...,
         interaction_name: _builtins.str = ...,
         interaction_kwargs: _struct_pb2.Struct | None = ...,
@@ -96,7 +99,7 @@ class RolloutPrompt(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chat_template_kwargs", b"chat_template_kwargs", "extra_info", b"extra_info", "ground_truth", b"ground_truth", "interaction_kwargs", b"interaction_kwargs", "tools_kwargs", b"tools_kwargs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat_template_kwargs", b"chat_template_kwargs", "data_source", b"data_source", "extra_info", b"extra_info", "ground_truth", b"ground_truth", "interaction_kwargs", b"interaction_kwargs", "interaction_name", b"interaction_name", "messages", b"messages", "prompt_id", b"prompt_id", "tools", b"tools", "tools_kwargs", b"tools_kwargs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat_template_kwargs", b"chat_template_kwargs", "data_source", b"data_source", "extra_info", b"extra_info", "ground_truth", b"ground_truth", "interaction_kwargs", b"interaction_kwargs", "interaction_name", b"interaction_name", "messages", b"messages", "prompt_id", b"prompt_id", "tool_names", b"tool_names", "tools_kwargs", b"tools_kwargs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,7 +1,8 @@
-"""The tiny calculator model: it loads with the Auto classes, its tokenizer speaks turnrl's ChatML
-template, it calls the calculator and copies the tool's result into its answer, the tests' and
-the demo's ship with the package, and any other is built once per cache folder. Also the
-calculator data it learns from."""
+"""The tiny calculator model (turnrl_demo.tiny_model): it loads with the Auto classes, its
+tokenizer speaks turnrl's ChatML template, it calls the calculator and copies the tool's result
+into its answer, the tests' and the demo's ship with the package, any other is built once per
+cache folder (fine-tuned by the trainer's SFT), and the wiring resolves a null model path to it.
+The calculator data it learns from: tests/turnrl/test_calculator_data.py."""
 
 import json
 import re
@@ -9,30 +10,30 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tool_svc.tools.base import ToolCallError
 from tool_svc.tools.calculator import CalculatorOptions, CalculatorTool, format_value
+from trainer_svc.config import SftConfig, TrainSettings
 from turnrl.calculator_data import (
     CALCULATOR_TOOL,
     TOOLS,
     ProblemSettings,
     final_answer,
     generate_problems,
-    split_of,
 )
-from turnrl.chat_tokens import conversation_ids_and_loss_mask
-from turnrl.tiny_model import (
-    CHAT_TEMPLATE,
+from turnrl.chat_tokens import CHAT_TEMPLATE, conversation_ids_and_loss_mask
+from turnrl_cli.model_paths import load_with_tiny_model
+from turnrl_cli.project_config import load_project_config
+from turnrl_demo.settings import TinyModelSettings
+from turnrl_demo.tiny_model import (
     SHIPPED_MODELS_DIR,
     SPECIAL_TOKENS,
     TOOL_TOKENS,
     build_tiny_model,
     training_conversations,
 )
-from turnrl.tiny_model_settings import TinyModelSettings
-from turnrl_cli.launcher import load_with_tiny_model
-from turnrl_cli.project_config import load_project_config
 
 from ..conftest import EXAMPLE_CONFIG
 from ..turnrl.test_conversation_loss_mask import masked_runs
@@ -187,10 +188,6 @@ def test_training_examples_are_whole_renders_with_the_loss_on_assistant_turns(to
         ]
 
 
-def test_sft_schema_is_the_one_tool_svc_serves():
-    assert {"type": "function", "function": CalculatorTool.schema} == CALCULATOR_TOOL
-
-
 def test_held_out_first_turns_are_calculator_calls(episodes):
     calls = [parse_tool_call(episode.turns[0]) for episode in episodes]
     rate = sum(call is not None for call in calls) / len(calls)
@@ -220,8 +217,15 @@ def test_the_tests_and_the_demos_models_ship_and_nothing_else(tmp_path):
 
 
 def test_other_settings_are_built_once_into_the_cache(tmp_path):
-    settings = TinyModelSettings(
-        hidden_size=32, num_hidden_layers=1, intermediate_size=64, train_problems=40, train_steps=3
+    settings = TinyModelSettings.model_validate(
+        {
+            "hidden_size": 32,
+            "num_hidden_layers": 1,
+            "intermediate_size": 64,
+            "train_problems": 40,
+            "train_steps": 3,
+            "optim": {"warmup_steps": 1},
+        }
     )
     folder = build_tiny_model(tmp_path, settings=settings)
     assert folder.parent == tmp_path
@@ -234,49 +238,18 @@ def test_other_settings_are_built_once_into_the_cache(tmp_path):
     assert [path.name for path in tmp_path.iterdir()] == [folder.name]
 
 
-def test_problems_are_deterministic_per_seed():
-    first = generate_problems(50, seed=3)
-    again = generate_problems(50, seed=3)
-    assert [(p.question, p.answer, p.messages) for p in first] == [
-        (p.question, p.answer, p.messages) for p in again
-    ]
-    assert [p.question for p in generate_problems(50, seed=4)] != [p.question for p in first]
+def test_the_fine_tuning_takes_the_trainers_settings_and_a_partial_optim_keeps_the_rest():
+    settings = TinyModelSettings.model_validate({"optim": {"learning_rate": 0.005}})
+    assert isinstance(settings.sft, SftConfig) and isinstance(settings.optim, TrainSettings)
+    assert settings.optim == TinyModelSettings().optim.model_copy(update={"learning_rate": 0.005})
+    assert settings.optim.lr_schedule == "cosine" and settings.optim.betas == (0.9, 0.95)
 
 
-def test_splits_share_no_question():
-    train = {p.question for p in generate_problems(500, seed=0, split="train")}
-    test = {p.question for p in generate_problems(500, seed=0, split="test")}
-    assert not train & test
-    assert {split_of(question) for question in test} == {"test"}
-
-
-def test_conversations_are_solved_exactly():
-    for problem in generate_problems(200, seed=1):
-        calls = [m for m in problem.messages if m["role"] == "assistant" and m.get("tool_calls")]
-        results = [m["content"] for m in problem.messages if m["role"] == "tool"]
-        assert 1 <= len(calls) <= 2 and len(results) == len(calls)
-        calculator = CalculatorTool("calculator", CalculatorOptions())
-        for call, result, expression in zip(calls, results, problem.expressions, strict=True):
-            arguments = call["tool_calls"][0]["function"]["arguments"]
-            assert arguments == {"expression": expression}
-            assert format_value(calculator.evaluate(expression)) == result
-        assert results[-1] == str(problem.answer)
-        assert final_answer(problem.messages[-1]["content"]) == str(problem.answer)
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("#### 19", "19"),
-        ("The answer is\n#### 1,234.", "1234"),
-        ("#### 3 then #### -4", "-4"),
-        ("####19", "19"),
-        ("the answer is 19", None),
-        ("#### x", None),
-    ],
-)
-def test_final_answer(text, expected):
-    assert final_answer(text) == expected
+def test_a_warm_up_longer_than_the_fine_tuning_is_refused_when_the_config_loads():
+    with pytest.raises(ValidationError, match=r"optim over the SFT's 10 steps: cosine schedule"):
+        TinyModelSettings(train_steps=10)
+    with pytest.raises(ValidationError, match=r"SFT's 5 steps"):  # 80 conversations, 16 a step
+        TinyModelSettings.model_validate({"train_problems": 80, "sft": {"epochs": 1}})
 
 
 def test_a_share_of_conversations_guesses_without_the_tool():
@@ -292,16 +265,6 @@ def test_a_share_of_conversations_guesses_without_the_tool():
         assert problem.question.startswith(f"{problem.question.split()[0]} has {guess} ")
     assert all(c == p.messages for c, p in zip(conversations, problems, strict=True) if len(c) > 3)
     assert training_conversations(settings, seed=0) == conversations
-
-
-def test_one_call_per_operation_chains_each_result_into_the_next_call():
-    settings = ProblemSettings(min_operations=4, max_operations=4, one_call_per_operation=True)
-    for problem in generate_problems(20, settings=settings):
-        assert len(problem.expressions) == 4
-        results = [m["content"] for m in problem.messages if m["role"] == "tool"]
-        for result, next_expression in zip(results, problem.expressions[1:], strict=False):
-            assert next_expression.startswith(f"{result} ")
-        assert results[-1] == str(problem.answer)
 
 
 def test_a_null_model_path_becomes_the_configs_tiny_model(tiny_model_dir):

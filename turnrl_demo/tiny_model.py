@@ -1,15 +1,17 @@
-"""A tiny Qwen3 model that has learned the calculator tool-call format, built locally and cached.
+"""A tiny Qwen3 model that has learned the calculator tool-call format, built locally and cached:
+the demo's policy and the tests' model. An example of a model, not part of the core.
 
 Tests and the CPU demo need a real transformers model that writes tool calls, and nothing may
-be downloaded. `build_tiny_model` makes one from scratch in a few minutes on a CPU:
+be downloaded. `build_tiny_model` makes one from scratch in 10-15 minutes on two CPU cores:
 
 1. a byte-level BPE tokenizer trained on rendered calculator conversations, with Qwen2.5's chat
    tokens and turnrl's own ChatML template (`turnrl/chat_template.jinja`);
 2. a randomly initialised Qwen3 model of about 0.4M parameters (2 layers, width 128);
-3. supervised fine-tuning on those conversations, with the loss on the assistant's tokens only
-   (`turnrl.chat_tokens.conversation_ids_and_loss_mask`, as in the trainer's SFT mode), so that
-   greedy decoding writes `<tool_call>{"name": "calculator", ...}</tool_call>` and, after the
-   tool's response, `#### <the tool's number>`.
+3. supervised fine-tuning on those conversations by the trainer's own SFT
+   (`trainer_svc.sft.sft_in_process`: the loss on the assistant's tokens only, batches, AdamW
+   and LR schedule of the settings' `sft` and `optim`), so that greedy decoding writes
+   `<tool_call>{"name": "calculator", ...}</tool_call>` and, after the tool's response,
+   `#### <the tool's number>`.
 
 The result is saved with `save_pretrained` into a folder named by a hash of the settings, the
 template and FORMAT_VERSION; the folder appears by an atomic rename, so a folder that exists is
@@ -27,12 +29,12 @@ same bytes, and nothing is built. `scripts/ship_tiny_models.py` rebuilds them.
 import hashlib
 import json
 import logging
-import math
 import random
 import re
 import shutil
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,19 +43,20 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from trainer_svc.data import ConversationRecord
+from trainer_svc.sft import sft_in_process, tokenize_conversations
 from turnrl.calculator_data import TOOLS, generate_problems
-from turnrl.chat_tokens import conversation_ids_and_loss_mask
+from turnrl.chat_tokens import CHAT_TEMPLATE
 from turnrl.config import cache_dir
-from turnrl.tiny_model_settings import TinyModelSettings
+from turnrl_demo.settings import TinyModelSettings
 
 logger = logging.getLogger(__name__)
 
 # Bump when the build's code changes: settings, seed, template and training data are in the
-# cache key already. Folders of other versions are ignored.
-FORMAT_VERSION = 3
-CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
+# cache key already. Folders of other versions are ignored. 4: fine-tuned by trainer_svc.sft.
+FORMAT_VERSION = 4
 # Built models shipped with the package, in folders named as the cache names them.
-SHIPPED_MODELS_DIR = Path(__file__).with_name("tiny_models")
+SHIPPED_MODELS_DIR = Path(__file__).with_name("models")
 # Qwen2.5's chat tokens: the special ones, then the tool-call markers it has as plain added tokens.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -75,8 +78,8 @@ def build_tiny_model(
     `turnrl.config.cache_dir()`/tiny_models).
 
     The folder loads with `AutoModelForCausalLM.from_pretrained` and
-    `AutoTokenizer.from_pretrained`. A build blocks for about two minutes of CPU (call it from a
-    worker thread in async code); a shipped or cached folder returns at once. A failed build
+    `AutoTokenizer.from_pretrained`. A build blocks for 10-15 minutes of two cores (call it from
+    a worker thread in async code); a shipped or cached folder returns at once. A failed build
     leaves no folder behind.
     """
     settings = settings or TinyModelSettings()
@@ -150,6 +153,8 @@ def _build(
     chat_template: str,
     conversations: list[list[dict[str, Any]]],
 ) -> None:
+    """Trains the tokenizer, makes the new model, fine-tunes it by the trainer's SFT and saves
+    both into `folder`."""
     started = time.monotonic()
     logger.info("tiny model: building into %s", folder)
     tokenizer = _train_tokenizer(
@@ -160,9 +165,11 @@ def _build(
         len(tokenizer),
         time.monotonic() - started,
     )
-    examples = [
-        conversation_ids_and_loss_mask(tokenizer, messages, TOOLS) for messages in conversations
+    records = [
+        ConversationRecord(f"tiny-model-{i}", messages, TOOLS)
+        for i, messages in enumerate(conversations)
     ]
+    examples = tokenize_conversations(tokenizer, records, settings.sft.max_length)
     model = _new_model(tokenizer, settings, seed)
     logger.info(
         "tiny model: %d parameters, %d examples of %d tokens on average",
@@ -170,11 +177,38 @@ def _build(
         len(examples),
         sum(len(ids) for ids, _ in examples) // len(examples),
     )
-    _finetune(model, examples, tokenizer.pad_token_id, settings, seed)
-    model.save_pretrained(folder)
+    # The SFT starts from a Hugging Face folder: the new model's, apart from the result.
+    initial = folder / "initial"
+    model.save_pretrained(initial)
+    models = sft_in_process(
+        initial,
+        examples,
+        tokenizer.pad_token_id,
+        sft=settings.sft,
+        optim=settings.optim,
+        steps=settings.train_steps,
+        seed=seed,
+        on_step=partial(_log_step, started=time.monotonic()),
+    )
+    # One unsharded model in this process: transformers' own save keeps the tied embeddings one
+    # tensor (FsdpPolicy.save_pretrained's snapshot would write the head a second time).
+    models.policy.model.save_pretrained(folder)
+    models.policy.close()
+    shutil.rmtree(initial)
     # The chat template goes into tokenizer_config.json, as in Qwen2.5's own repositories.
     tokenizer.save_pretrained(folder, save_jinja_files=False)
     logger.info("tiny model: built in %.1f s", time.monotonic() - started)
+
+
+def _log_step(step: int, total_steps: int, metrics: dict[str, float], started: float) -> None:
+    if step % 50 == 1 or step == total_steps:
+        logger.info(
+            "tiny model: step %d/%d loss %.4f (%.1f s)",
+            step,
+            total_steps,
+            metrics["loss"],
+            time.monotonic() - started,
+        )
 
 
 def _train_tokenizer(
@@ -238,104 +272,3 @@ def _new_model(
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
-
-
-def _finetune(
-    model: Qwen3ForCausalLM,
-    examples: list[tuple[list[int], list[bool]]],
-    pad_token_id: int,
-    settings: TinyModelSettings,
-    seed: int,
-) -> None:
-    """AdamW on the assistant tokens, batches drawn at random each epoch, warmup then cosine
-    decay. (Batches of similar length pad less, but a model trained on them copied numbers from
-    the question into its calls far less reliably: a 4-layer build solved 72% of held-out
-    one-operation problems, against 99% with random batches.)
-
-    Every conversation opens with the same system turn (the tool schema makes it most of the
-    tokens), so each step runs that shared prefix once and the batch continues from its
-    key/value cache, repeated per row: gradients flow through the repeat into the prefix, and
-    a step costs less than half of running every row whole.
-    """
-    prefix_length = _shared_prefix_length([ids for ids, _ in examples])
-    prefix_ids = torch.tensor([examples[0][0][:prefix_length]])
-    suffixes = [(ids[prefix_length:], mask[prefix_length:]) for ids, mask in examples]
-    # The prefix's last position predicts the suffix's first token: neither may be scored, so
-    # that the suffixes alone hold every target.
-    assert not any(any(mask[: prefix_length + 1]) for _, mask in examples), "prefix is scored"
-    rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=settings.learning_rate, betas=(0.9, 0.95), weight_decay=0.0
-    )
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: _learning_rate_factor(step, settings)
-    )
-    model.train()
-    started = time.monotonic()
-    order: list[list[int]] = []
-    for step in range(settings.train_steps):
-        if not order:
-            shuffled = rng.sample(range(len(suffixes)), len(suffixes))
-            size = settings.batch_size
-            order = [shuffled[start : start + size] for start in range(0, len(shuffled), size)]
-        input_ids, attention_mask, loss_mask = _pad(
-            [suffixes[i] for i in order.pop()], pad_token_id
-        )
-        cache = model.model(input_ids=prefix_ids, use_cache=True).cache
-        cache.batch_repeat_interleave(len(input_ids))
-        prefix_mask = torch.ones((len(input_ids), prefix_length), dtype=attention_mask.dtype)
-        hidden = model.model(
-            input_ids=input_ids,
-            attention_mask=torch.cat([prefix_mask, attention_mask], dim=1),
-            cache=cache,
-        ).last_hidden_state
-        # Position t predicts token t + 1; only the assistant's tokens are scored.
-        scored = loss_mask[:, 1:].bool()
-        logits = model.lm_head(hidden[:, :-1][scored])
-        loss = torch.nn.functional.cross_entropy(logits, input_ids[:, 1:][scored])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        if step % 50 == 0 or step == settings.train_steps - 1:
-            # .item() waits for the step to finish; cheap on a CPU, and only every 50 steps.
-            logger.info(
-                "tiny model: step %d/%d loss %.4f (%.1f s)",
-                step + 1,
-                settings.train_steps,
-                loss.item(),
-                time.monotonic() - started,
-            )
-    model.eval()
-
-
-def _shared_prefix_length(sequences: list[list[int]]) -> int:
-    """Length of the longest prefix every sequence starts with."""
-    length = min(len(sequence) for sequence in sequences)
-    first = sequences[0]
-    for sequence in sequences[1:]:
-        length = next((i for i in range(length) if sequence[i] != first[i]), length)
-    return length
-
-
-def _learning_rate_factor(step: int, settings: TinyModelSettings) -> float:
-    if step < settings.warmup_steps:
-        return (step + 1) / settings.warmup_steps
-    progress = (step - settings.warmup_steps) / max(1, settings.train_steps - settings.warmup_steps)
-    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
-
-
-def _pad(
-    examples: list[tuple[list[int], list[bool]]], pad_token_id: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ids, attention mask and loss mask of a batch."""
-    length = max(len(ids) for ids, _ in examples)
-    input_ids = torch.full((len(examples), length), pad_token_id)
-    attention_mask = torch.zeros((len(examples), length), dtype=torch.long)
-    loss_mask = torch.zeros((len(examples), length), dtype=torch.long)
-    for row, (ids, mask) in enumerate(examples):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        attention_mask[row, : len(ids)] = 1
-        loss_mask[row, : len(ids)] = torch.tensor(mask)
-    return input_ids, attention_mask, loss_mask

@@ -1,0 +1,124 @@
+"""`ConversationTokens` one turn at a time: the tokenizer's own template and eos as defaults,
+`chat_template_kwargs` in every render, the text a turn decodes to, and what it refuses (a
+template that is not prefix-preserving or rewrites the stop token, a turn cut short, calls
+out of order, bad messages). Every template's whole rollouts are in test_chat_tokens.py."""
+
+import pytest
+from transformers import AutoTokenizer
+
+from turnrl.chat_tokens import ConversationTokens
+from turnrl.errors import FailedPreconditionError, InvalidArgumentError
+
+from .chat_template_cases import CASES_BY_ID, TOKENIZERS, Renderer
+
+
+def assistant(content: str) -> dict:
+    """The message a model turn stands for in the conversation."""
+    return {"role": "assistant", "content": content}
+
+
+def test_a_template_that_is_not_prefix_preserving_is_named():
+    """vLLM's Mistral template moves the tool list to the newest user message."""
+    renderer = Renderer(CASES_BY_ID["mistral-vllm-tool-example"], "qwen3")
+    tokens = renderer.conversation_tokens()
+    tokens.prompt_ids([{"role": "user", "content": "Hi"}])
+    tokens.append_model_turn(renderer.encode(" Hello.<|im_end|>"), assistant(" Hello."))
+    with pytest.raises(FailedPreconditionError, match=r"chat template sha256:\w{12} is not pref"):
+        tokens.append_messages([{"role": "user", "content": "And now?"}])
+
+
+def test_a_template_that_rewrites_the_stop_token_is_refused():
+    """gpt-oss writes `<|end|>` after a final answer in history; the model stopped on
+    `<|return|>`, so its ids cannot be continued."""
+    renderer = Renderer(CASES_BY_ID["gpt-oss"], "qwen3")
+    tokens = renderer.conversation_tokens()
+    tokens.prompt_ids([{"role": "user", "content": "Hi"}])
+    # "Hello." is what a harmony parser makes of the turn.
+    tokens.append_model_turn(
+        renderer.encode("<|channel|>final<|message|>Hello.<|return|>"), assistant("Hello.")
+    )
+    with pytest.raises(FailedPreconditionError, match=r"stopped on \('<\|return\|>'\)"):
+        tokens.append_messages([{"role": "user", "content": "And now?"}])
+
+
+@pytest.mark.parametrize("tokenizer_name", TOKENIZERS)
+def test_the_tokenizers_own_template_and_eos_close_a_turn_once(tokenizer_name: str, fixtures):
+    """Defaults: the tokenizer's chat template and its eos token. The newline ChatML writes after
+    `<|im_end|>` comes in the delta, right after the model's stop token."""
+    tokenizer = AutoTokenizer.from_pretrained(fixtures / "tokenizers" / tokenizer_name)
+    tokens = ConversationTokens(tokenizer, None, None)
+    prompt = [{"role": "user", "content": "Hi"}]
+    prompt_ids = tokens.prompt_ids(prompt)
+    output_ids = tokenizer.encode("Hello!<|im_end|>", add_special_tokens=False)
+    assert tokens.model_turn_text(output_ids) == "Hello!"
+    tokens.append_model_turn(output_ids, assistant("Hello!"))
+    delta = tokens.append_messages([{"role": "user", "content": "Bye"}])
+    assert tokenizer.decode(delta) == "\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"
+    whole = [
+        *prompt,
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Bye"},
+    ]
+    fresh = tokenizer.apply_chat_template(whole, add_generation_prompt=True, return_dict=False)
+    assert prompt_ids + output_ids + delta == fresh
+
+
+def test_chat_template_kwargs_reach_every_render():
+    renderer = Renderer(CASES_BY_ID["qwen3-nothink"], "qwen3")
+    tokens = renderer.conversation_tokens()
+    prompt_ids = tokens.prompt_ids([{"role": "user", "content": "Hi"}])
+    empty_think = renderer.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert tokens.generation_prompt_ids == empty_think
+    assert prompt_ids[-len(empty_think) :] == empty_think
+    tokens.append_model_turn(renderer.encode("Hello!<|im_end|>"), assistant("Hello!"))
+    assert tokens.append_messages([{"role": "user", "content": "Bye"}])[-len(empty_think) :] == (
+        empty_think
+    )
+
+
+def test_a_turn_cut_by_max_new_tokens_ends_the_conversation():
+    renderer = Renderer(CASES_BY_ID["qwen2.5-instruct"], "qwen2.5")
+    tokens = renderer.conversation_tokens()
+    tokens.prompt_ids([{"role": "user", "content": "Count to ten."}])
+    output_ids = renderer.encode("One, two, three")
+    assert tokens.model_turn_text(output_ids) == "One, two, three"
+    tokens.append_model_turn(output_ids, assistant("One, two, three"))
+    with pytest.raises(FailedPreconditionError, match=r"ended on token \d+, not on a stop token"):
+        tokens.append_messages([{"role": "user", "content": "Go on."}])
+
+
+def test_a_turns_text_is_the_decoded_turn_without_its_stop_token():
+    renderer = Renderer(CASES_BY_ID["qwen3"], "qwen3")
+    tokens = renderer.conversation_tokens()
+    tokens.prompt_ids([{"role": "user", "content": "Hi"}])
+    output_ids = renderer.encode("<think>\nhm\n</think>\n\nHello 👋<|im_end|>")
+    assert tokens.model_turn_text(output_ids) == "<think>\nhm\n</think>\n\nHello 👋"
+
+
+def test_calls_out_of_order_and_bad_messages_are_refused():
+    renderer = Renderer(CASES_BY_ID["qwen2.5-instruct"], "qwen2.5")
+    tokens = renderer.conversation_tokens()
+    stop = renderer.encode("Hi<|im_end|>")
+    with pytest.raises(FailedPreconditionError, match="after prompt_ids"):
+        tokens.generation_prompt_ids  # noqa: B018
+    with pytest.raises(FailedPreconditionError, match="before prompt_ids"):
+        tokens.append_model_turn(stop, assistant("Hi"))
+    with pytest.raises(InvalidArgumentError, match=r"got \[\]"):
+        tokens.prompt_ids([])
+    tokens.prompt_ids([{"role": "user", "content": "Hi"}])
+    with pytest.raises(FailedPreconditionError, match="called already"):
+        tokens.prompt_ids([{"role": "user", "content": "Hi"}])
+    with pytest.raises(FailedPreconditionError, match="must follow a model turn"):
+        tokens.append_messages([{"role": "user", "content": "Hi"}])
+    with pytest.raises(InvalidArgumentError, match=r"got \[\]"):
+        tokens.append_model_turn([], assistant("Hi"))
+    with pytest.raises(InvalidArgumentError, match="expected an assistant message"):
+        tokens.append_model_turn(stop, {"role": "user", "content": "Hi"})
+    tokens.append_model_turn(stop, assistant("Hi"))
+    with pytest.raises(FailedPreconditionError, match="two model turns in a row"):
+        tokens.append_model_turn(stop, assistant("Hi"))
+    with pytest.raises(InvalidArgumentError, match=r"\['tool', 'assistant'\]"):
+        tokens.append_messages([{"role": "tool", "content": "1"}, {"role": "assistant"}])
+    with pytest.raises(InvalidArgumentError, match=r"got \[\]"):
+        tokens.append_messages([])
+    assert tokens.append_messages([{"role": "user", "content": "Bye"}])

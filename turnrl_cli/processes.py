@@ -1,0 +1,261 @@
+"""The local services as child processes: start, supervise, stop (`turnrl up`, `turnrl run`).
+
+`local_services` starts the services the config does not point at
+(ProjectConfig.services_to_start), and points the ones it starts at the others. Each child is
+`python -m turnrl_cli serve <name>` with the same config file and overrides, in a session of
+its own, dying with its parent. The address of each comes from the child's first stdout line
+(`serving ... on HOST:PORT`); it is ready at gRPC health SERVING. `supervise` waits for Ctrl-C
+or SIGTERM (`stop_on_signals`) or a child's death, which it reports with the exit status and
+the child's last log lines; on the way out every child is stopped, trainer first.
+"""
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+
+from turnrl import rpc
+from turnrl.config import ClientConfig, ServerConfig
+from turnrl.subprocesses import die_with_parent
+from turnrl_cli.project_config import ProjectConfig
+
+log = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_SECONDS = 120.0
+# Extra time past a service's own shutdown grace before it is killed.
+STOP_SLACK_SECONDS = 5.0
+LOG_TAIL_LINES = 20
+
+
+class ServiceDiedError(RuntimeError):
+    """A child service exited when it should be running."""
+
+
+class StartupInterruptedError(RuntimeError):
+    """Ctrl-C or SIGTERM arrived before every service was SERVING."""
+
+
+@dataclass
+class ServiceProcess:
+    """One running child service."""
+
+    name: str
+    server: ServerConfig
+    process: asyncio.subprocess.Process
+    address: str = ""
+    log_tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
+    log_task: asyncio.Task | None = None
+
+    def client_config(self) -> ClientConfig:
+        """How the launcher reaches this service (TLS verified against its own certificate)."""
+        return ClientConfig(
+            address=self.address,
+            tls_ca_file=self.server.tls.cert_file if self.server.tls else None,
+            auth_token_env=self.server.auth_token_env,
+        )
+
+    def exit_description(self) -> str:
+        code = self.process.returncode
+        status = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        tail = "\n".join(f"    {line}" for line in self.log_tail) or "    (no output)"
+        return f"{self.name} service (pid {self.process.pid}) {status}; its last output:\n{tail}"
+
+
+@contextlib.asynccontextmanager
+async def local_services(
+    project: ProjectConfig,
+    config_path: Path | None,
+    overrides: Sequence[str],
+    stop_requested: asyncio.Event,
+) -> AsyncIterator[list[ServiceProcess]]:
+    """Starts the services the config does not point at, yields them once all are SERVING,
+    stops them on exit.
+
+    Raises ServiceDiedError, naming the service and its last output, when one fails to start,
+    and StartupInterruptedError when `stop_requested` is set first.
+    """
+    servers = {
+        "tool": project.tool.server,
+        "reward": project.reward.server,
+        "rollout": project.rollout.server,
+        "trainer": project.trainer.server,
+    }
+    to_start = project.services_to_start()
+    services: list[ServiceProcess] = []
+    try:
+        # Tool and reward first: the rollout service is told where they listen, which for a
+        # port of 0 is known only once they serve. The trainer learns the rollout's address
+        # from StartRun.
+        for stage in (("tool", "reward"), ("rollout", "trainer")):
+            started = [
+                await _spawn(
+                    name,
+                    servers[name],
+                    config_path,
+                    [*overrides, *_peer_addresses(name, project, services)],
+                )
+                for name in stage
+                if name in to_start
+            ]
+            services += started
+            ready = asyncio.gather(*(_wait_ready(service) for service in started))
+            interrupted = asyncio.ensure_future(stop_requested.wait())
+            await asyncio.wait([ready, interrupted], return_when=asyncio.FIRST_COMPLETED)
+            interrupted.cancel()
+            if not ready.done():
+                ready.cancel()
+                raise StartupInterruptedError()
+            ready.result()  # raises the first ServiceDiedError
+        yield services
+    finally:
+        await _stop_all(services)
+
+
+def _peer_addresses(name: str, project: ProjectConfig, started: list[ServiceProcess]) -> list[str]:
+    """Overrides pointing service `name` at the services already started: the rollout
+    service at the tool and reward services."""
+    if name != "rollout":
+        return []
+    address = {service.name: service.address for service in started}
+    return [
+        f"rollout.{peer}_service.address={address[peer]}"
+        for peer in ("tool", "reward")
+        if peer in address
+    ]
+
+
+async def _spawn(
+    name: str, server: ServerConfig, config_path: Path | None, overrides: Sequence[str]
+) -> ServiceProcess:
+    """Starts `python -m turnrl_cli serve NAME` with the config file and `overrides`."""
+    command = [sys.executable, "-m", "turnrl_cli", "serve", name, *overrides]
+    if config_path is not None:
+        command[5:5] = ["--config", str(config_path)]
+    process = await asyncio.create_subprocess_exec(
+        *command,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        # Own session: a terminal's Ctrl-C reaches only the launcher, which stops children in order.
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+    )
+    service = ServiceProcess(name=name, server=server, process=process)
+    service.log_task = asyncio.create_task(_forward_log(service))
+    return service
+
+
+async def _forward_log(service: ServiceProcess) -> None:
+    """Copies the child's stderr to ours, each line prefixed with the service's name, keeping
+    the last LOG_TAIL_LINES for `exit_description`."""
+    assert service.process.stderr is not None
+    async for raw in service.process.stderr:
+        line = raw.decode(errors="replace").rstrip()
+        service.log_tail.append(line)
+        print(f"[{service.name}] {line}", file=sys.stderr, flush=True)
+
+
+async def _wait_ready(service: ServiceProcess) -> None:
+    """Sets the child's address from its `serving` line and waits for health SERVING; raises
+    ServiceDiedError when it exits first or takes longer than STARTUP_TIMEOUT_SECONDS."""
+    assert service.process.stdout is not None
+    try:
+        async with asyncio.timeout(STARTUP_TIMEOUT_SECONDS):
+            line = await _read_serving_line(service.process.stdout)
+            if not line.startswith("serving "):
+                await service.process.wait()
+                if service.log_task is not None:
+                    await service.log_task
+                raise ServiceDiedError(service.exit_description())
+            host_port = line.rsplit(" ", 1)[-1]
+            service.address = _reachable(host_port)
+            await rpc.wait_until_serving(
+                service.client_config(), timeout_seconds=STARTUP_TIMEOUT_SECONDS
+            )
+    except TimeoutError:
+        raise ServiceDiedError(
+            f"{service.name} service (pid {service.process.pid}) did not report SERVING within "
+            f"{STARTUP_TIMEOUT_SECONDS:.0f}s"
+        ) from None
+
+
+async def _read_serving_line(stdout: asyncio.StreamReader) -> str:
+    """The child's `serving ...` line, past any `metrics of ...` line; "" when it exits first."""
+    while line := (await stdout.readline()).decode():
+        if line.startswith("serving "):
+            return line.strip()
+    return ""
+
+
+def _reachable(host_port: str) -> str:
+    """The address a local client dials for a server bound to `host_port` (0.0.0.0 -> loopback)."""
+    host, _, port = host_port.rpartition(":")
+    if host in ("0.0.0.0", "::", "[::]"):
+        host = "127.0.0.1"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event set by Ctrl-C (SIGINT) or SIGTERM, which then no longer kill the launcher."""
+    stop_requested = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop_requested.set)
+    return stop_requested
+
+
+async def supervise(
+    services: list[ServiceProcess], stop_requested: asyncio.Event, console: Console
+) -> int:
+    """Waits for `stop_requested` (0) or the first child to die (1, reported on stderr with
+    its exit status and last output); the caller's `local_services` then stops the rest."""
+    waiters = {asyncio.create_task(s.process.wait()): s for s in services}
+    stop_waiter = asyncio.create_task(stop_requested.wait())
+    done, _ = await asyncio.wait([stop_waiter, *waiters], return_when=asyncio.FIRST_COMPLETED)
+    for task in [stop_waiter, *waiters]:
+        task.cancel()
+    dead = [waiters[task] for task in done if task in waiters]
+    if dead:
+        if dead[0].log_task is not None:
+            await dead[0].log_task
+        Console(stderr=True).print(
+            f"[red]turnrl up: {dead[0].exit_description()}[/red]", highlight=False
+        )
+        console.print("stopping the other services")
+        return 1
+    console.print("stopping all services")
+    return 0
+
+
+async def _stop_all(services: list[ServiceProcess]) -> None:
+    """SIGTERM to each child in reverse start order (callers first), SIGKILL to one still
+    running past its shutdown grace plus STOP_SLACK_SECONDS."""
+    for service in reversed(services):
+        process = service.process
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(
+                    service.server.shutdown_grace_seconds + STOP_SLACK_SECONDS
+                ):
+                    await process.wait()
+            except TimeoutError:
+                log.warning(
+                    "%s service did not stop in time; killing pid %d", service.name, process.pid
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGKILL)
+                await process.wait()
+        if service.log_task is not None:
+            await service.log_task
