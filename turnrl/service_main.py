@@ -51,13 +51,7 @@ def load_config(section: str, model: type[ConfigT], argv: Sequence[str] | None) 
     overrides = [a for a in extra if "=" in a and not a.startswith("-")]
     if unknown := [a for a in extra if a not in overrides]:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    logging.basicConfig(
-        level=args.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    # In asyncio debug mode (tests) asyncio logs every subprocess at INFO; keep its warnings only.
-    logging.getLogger("asyncio").setLevel(logging.WARNING)
+    configure_logging(args.log_level)
     if args.host is not None:
         overrides.append(f"{section}.server.host={args.host}")
     if args.port is not None:
@@ -66,6 +60,16 @@ def load_config(section: str, model: type[ConfigT], argv: Sequence[str] | None) 
         return _section(section, model, args.config, overrides)
     except ConfigError as e:
         _exit(program, e, EXIT_USAGE)
+
+
+def configure_logging(level: str) -> None:
+    """Log lines with time, level and logger to stderr, at `level` (a no-op once configured,
+    as when `turnrl serve` hands over to a service's `main`)."""
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    # In asyncio debug mode (tests) asyncio logs every subprocess at INFO; keep its warnings only.
+    logging.getLogger("asyncio").setLevel(logging.WARNING)
 
 
 def run(section: str, serve: Callable[[ConfigT], Awaitable[None]], config: ConfigT) -> NoReturn:

@@ -15,12 +15,10 @@ on stdout, read a bearer token from $TURNRL_AUTH_TOKEN, and exit non-zero on fai
 import argparse
 import asyncio
 import importlib
-import logging
-import os
 import sys
 from pathlib import Path
 
-from turnrl import __version__
+from turnrl import __version__, service_main
 from turnrl.config import DEFAULT_PORTS
 from turnrl.errors import ConfigError
 from turnrl_cli import client_commands, launcher
@@ -49,14 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or (overrides and not getattr(args, "accepts_overrides", False)):
         parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
     args.overrides = overrides
-    args.argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(
-        level=args.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    # In asyncio debug mode (tests) asyncio logs every subprocess at INFO; keep its warnings only.
-    logging.getLogger("asyncio").setLevel(logging.WARNING)
+    service_main.configure_logging(args.log_level)
     try:
         code = args.handler(args)
     except ConfigError as e:
@@ -148,23 +139,17 @@ def _add_client_args(parser: argparse.ArgumentParser, *, default_port: int | Non
 
 
 def _serve(args: argparse.Namespace) -> int:
+    """`turnrl serve X`: checks the whole config, gives a null `model_path` the config's tiny
+    model, then hands the service's own section and overrides to its `main` (`python -m
+    X_svc`), which serves it (and, for a trainer of several ranks, becomes torchrun)."""
     overrides = list(args.overrides)
     if args.host is not None:
         overrides.append(f"{args.service}.server.host={args.host}")
     if args.port is not None:
         overrides.append(f"{args.service}.server.port={args.port}")
-    project, _ = load_with_tiny_model(args.config, overrides, [args.service])
-    ranks = project.trainer.ranks
-    if args.service == "trainer" and ranks > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
-        # Becomes torchrun, which starts this command once per rank (the tiny model is built).
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        os.execv(
-            sys.executable, [*torchrun, f"--nproc-per-node={ranks}", "-m", "turnrl_cli", *args.argv]
-        )
-    try:
-        server = importlib.import_module(SERVER_MODULES[args.service])
-        asyncio.run(server.serve(getattr(project, args.service)))
-    except OSError as e:
-        print(f"turnrl serve {args.service}: {e}", file=sys.stderr)
-        return 1
-    return 0
+    _, overrides = load_with_tiny_model(args.config, overrides, [args.service])
+    argv = [override for override in overrides if override.startswith(f"{args.service}.")]
+    if args.config is not None:
+        argv += ["--config", str(args.config)]
+    importlib.import_module(SERVER_MODULES[args.service]).main(argv)
+    return 0  # not reached: main exits with the service's status
