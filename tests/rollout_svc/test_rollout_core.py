@@ -19,7 +19,7 @@ from rollout_svc.agent_loop import PromptSpec
 from rollout_svc.config import RolloutConfig
 from rollout_svc.engines.base import SamplingParams
 from rollout_svc.service import RolloutService
-from tests.rollout_svc.peer_services import reward_service_address, tool_service_address
+from tests.in_process_services import reward_service_address, tool_service_address
 from turnrl.calculator_data import TOOLS, generate_problems
 from turnrl.chat_tokens import ConversationTokens
 from turnrl.config import ClientConfig, ServerConfig

@@ -14,7 +14,7 @@ from rollout_svc.config import InteractionEntry, RolloutConfig
 from rollout_svc.server import RolloutServicer
 from rollout_svc.service import RolloutService
 from tests.conftest import serve_in_process
-from tests.rollout_svc.peer_services import reward_service_address, tool_service_address
+from tests.in_process_services import reward_service_address, tool_service_address
 from turnrl import rpc
 from turnrl.calculator_data import TOOLS, generate_problems
 from turnrl.config import ClientConfig, ServerConfig

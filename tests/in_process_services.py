@@ -1,5 +1,5 @@
-"""The services the rollout service calls, real and in this event loop: the tool service with
-the calculator, and the reward service."""
+"""Real tool and reward services in this event loop, on loopback: what the rollout service and
+the code scorer call."""
 
 import contextlib
 from collections.abc import AsyncIterator
@@ -16,9 +16,10 @@ from turnrl.v1 import reward_pb2, reward_pb2_grpc, tool_pb2, tool_pb2_grpc
 
 
 @contextlib.asynccontextmanager
-async def tool_service_address() -> AsyncIterator[str]:
-    """A tool service serving `calculator` on loopback; yields its address."""
-    config = ToolConfig(server=ServerConfig(port=0), tools=[ToolEntry(class_name="calculator")])
+async def tool_service_address(*tools: ToolEntry) -> AsyncIterator[str]:
+    """A tool service serving `tools` (default: `calculator`) on loopback; yields its address."""
+    entries = list(tools) or [ToolEntry(class_name="calculator")]
+    config = ToolConfig(server=ServerConfig(port=0), tools=entries)
     service = await ToolService.create(config)
     try:
         async with serve_in_process(
