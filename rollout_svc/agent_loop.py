@@ -9,7 +9,9 @@ Each run builds its `Trajectory` (turnrl/trajectory.py) turn by turn: the segmen
 conversation's messages live there and nowhere else. Token ids come from the engine as they are
 and are never re-tokenized; only new non-model messages are tokenized, by `ConversationTokens`
 (the chat template's difference rule). A malformed call, an unknown tool, a tool timeout or a
-dead tool service becomes a tool message the model reads, never a lost trajectory.
+dead tool service becomes a tool message the model reads, never a lost trajectory; a call the
+tool service could not run (down, past its deadline, overloaded) is also counted in the
+trajectory's `tool_infra_errors` metric, so that the trainer keeps it out of the loss.
 """
 
 import asyncio
@@ -35,6 +37,22 @@ from turnrl.trajectory import FinishReason, Segment, SegmentSource, Trajectory, 
 from turnrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, tool_pb2, tool_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+# Statuses of a tool call that the model got wrong (the service refused the call it wrote); any
+# other status means the tool service could not run the call: an infrastructure failure.
+MODEL_CAUSED_STATUSES = frozenset(
+    {"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "OUT_OF_RANGE"}
+)
+# Error results of calls the tool service took on but could not run: a limit refused the call,
+# a dependency was unreachable, the tool has a bug. A timeout is not among them: the model's own
+# code may be what ran too long.
+INFRA_ERROR_KINDS = frozenset(
+    {
+        tool_pb2.ToolError.KIND_RATE_LIMITED,
+        tool_pb2.ToolError.KIND_UNAVAILABLE,
+        tool_pb2.ToolError.KIND_INTERNAL,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -178,6 +196,7 @@ class _Run:
         self.interaction_state: Any = None
         self.step_rewards: list[float] = []
         self.interaction_scores: list[float] = []
+        self.tool_infra_errors = 0  # calls the tool service could not run
 
     async def start(self) -> None:
         prompt_ids = await asyncio.to_thread(self.tokens.prompt_ids, self.trajectory.messages)
@@ -193,13 +212,17 @@ class _Run:
 
     async def turns(self) -> None:
         for _ in range(self.limits.max_turns):
-            if self.request_id in self.loop.aborted:
-                self.finish(FinishReason.ABORTED)
+            # Nothing awaits between this check and `_model_turn` registering its engine
+            # request, so an abort is either seen here or finds that request to abort.
+            if self._aborted():
                 return
             metrics = TurnMetrics()
             self.trajectory.turns.append(metrics)
             parsed = await self._model_turn(metrics)
-            if self.trajectory.finish_reason is not None:
+            # An abort too late to stop the turn in the engine (the turn had ended, or a remote
+            # engine had not taken the request in yet) still ends the trajectory before its
+            # tool calls are made.
+            if self.trajectory.finish_reason is not None or self._aborted():
                 return
             if parsed.tool_calls or parsed.errors:
                 new_messages = await self._call_tools(parsed, metrics)
@@ -213,6 +236,13 @@ class _Run:
             if not await self._append(new_messages, source):
                 return
         self.finish(FinishReason.MAX_TURNS)
+
+    def _aborted(self) -> bool:
+        """Whether the Generate call is being aborted; if so the trajectory ends ABORTED."""
+        if self.request_id in self.loop.aborted:
+            self.finish(FinishReason.ABORTED)
+            return True
+        return False
 
     async def _model_turn(self, metrics: TurnMetrics) -> ParsedTurn:
         trajectory = self.trajectory
@@ -240,6 +270,15 @@ class _Run:
             running.discard(engine_request_id)
         metrics.generate_seconds = time.monotonic() - started
         metrics.generated_tokens = len(output.output_ids)
+        if not output.output_ids and output.finish_reason is not EngineFinish.STOP:
+            # Ended before its first token: aborted while it waited in the engine (a full
+            # batch, a pause for a weight push), or no room left. There is no model turn to
+            # append; the conversation ends as it was. (A STOP holds its stop token, so an
+            # empty one is an engine bug, which `ConversationTokens` refuses.)
+            self.trajectory.turns.pop()
+            aborted = output.finish_reason is EngineFinish.ABORT
+            self.finish(FinishReason.ABORTED if aborted else self._length_reason())
+            return ParsedTurn(content="", tool_calls=[], errors=[])
         self._append_model_segments(output.output_ids, output.logprobs, output.policy_versions)
         text = self.tokens.model_turn_text(output.output_ids)
         # A turn cut short still joins the conversation, as it was written: its text is what
@@ -283,8 +322,9 @@ class _Run:
         metrics.tool_latency_seconds = time.monotonic() - started
         metrics.tool_calls = len(parsed.tool_calls) + len(parsed.errors)
         messages = []
-        for call, (text, failed) in zip(parsed.tool_calls, results, strict=True):
+        for call, (text, failed, infra_failed) in zip(parsed.tool_calls, results, strict=True):
             metrics.tool_errors += failed
+            self.tool_infra_errors += infra_failed
             messages.append(
                 {"role": "tool", "content": text, "tool_call_id": call.id, "name": call.name}
             )
@@ -293,8 +333,9 @@ class _Run:
             messages.append({"role": "tool", "content": f"Error: {error}"})
         return messages
 
-    async def _call_tool(self, name: str, arguments: str) -> tuple[str, bool]:
-        """The observation text of one call, and whether it failed."""
+    async def _call_tool(self, name: str, arguments: str) -> tuple[str, bool, bool]:
+        """The observation text of one call, whether it failed, and whether it failed because
+        the tool service could not run it (not the model's doing)."""
         stub = self.loop.tool_stub
         timeout = self.loop.tool_call_timeout_seconds
         try:
@@ -304,11 +345,13 @@ class _Run:
                 timeout=timeout,
             )
         except RpcError as e:
-            return f"Error: the tool service could not run {name!r}: {e.status}: {e.details}", True
+            text = f"Error: the tool service could not run {name!r}: {e.status}: {e.details}"
+            return text, True, e.status not in MODEL_CAUSED_STATUSES
         result = reply.result
         if result.HasField("step_reward"):
             self.step_rewards.append(result.step_reward)
-        return result.text, result.HasField("error")
+        failed = result.HasField("error")
+        return result.text, failed, failed and result.error.kind in INFRA_ERROR_KINDS
 
     def _turn_seed(self) -> int | None:
         """The caller's seed made distinct per trajectory and turn: one seed for all would give
@@ -413,6 +456,7 @@ class _Run:
             "model_tokens": float(model_tokens),
             "tool_calls": float(sum(t.tool_calls for t in turns)),
             "tool_errors": float(sum(t.tool_errors for t in turns)),
+            "tool_infra_errors": float(self.tool_infra_errors),  # also counted in tool_errors
             "tool_step_reward_sum": sum(self.step_rewards),
             "interaction_score_sum": sum(self.interaction_scores),
         }

@@ -181,11 +181,20 @@ class AlgorithmConfig(StrictModel):
     max_refills: int = Field(
         default=2, ge=0, description="Extra rollouts per step to refill a filtered batch."
     )
-    importance_cap: float | None = Field(
-        default=None,
+    importance_sampling: Literal["none", "truncate", "mask", "reject"] = Field(
+        default="none",
+        description="Behaviour-policy correction of decoupled PPO (AReaL): the PPO ratio is "
+        "against the proximal policy (the trainer's logprobs before the update) and each model "
+        "token is weighted by w = p_proximal / p_behaviour, the behaviour being the engine's "
+        "recorded logprobs (an older policy version in async training). truncate: min(w, "
+        "importance_cap) (TIS); mask: w where w <= importance_cap, else 0 (the token leaves the "
+        "loss; AReaL's cap); reject: every token of a trajectory with any w > importance_cap "
+        "gets 0, the others w; none: no correction (the ablation).",
+    )
+    importance_cap: float = Field(
+        default=2.0,
         gt=0.0,
-        description="Truncated importance weights min(p_train/p_rollout, cap) on every token, "
-        "correcting engine/trainer mismatch; None: off.",
+        description="The cap C on importance weights of importance_sampling (a ratio, unitless).",
     )
     ppo_epochs: int = Field(default=1, gt=0, description="Passes over each batch.")
     mini_batches: int = Field(default=1, gt=0, description="Optimizer steps per pass.")
@@ -249,6 +258,42 @@ class WeightSyncConfig(StrictModel):
     timeout_seconds: float = Field(default=120.0, gt=0, description="Group set-up deadline.")
 
 
+class AsyncLoopConfig(StrictModel):
+    """The async loop (`trainer.loop: async`): generation streams into a replay buffer while the
+    trainer trains, and weights are pushed without draining the trajectories in flight."""
+
+    max_staleness: int = Field(
+        default=1,
+        ge=0,
+        description="η: a trajectory whose oldest model token is more than this many policy "
+        "versions behind the policy being trained is not trained on; its prompt is rolled out "
+        "again. 0: on-policy (a step's rollouts start after the previous push); 1: one step "
+        "off-policy (verl's); AReaL trains well up to 4 with a behaviour correction "
+        "(algorithm.importance_sampling).",
+    )
+    max_groups_in_flight: int = Field(
+        default=0,
+        ge=0,
+        description="Prompt groups (one Generate call of samples_per_prompt each) running at "
+        "once. 0: (max_staleness + 1) x prompts_per_step + oversample_groups, all the "
+        "staleness bound lets start.",
+    )
+    generate_while_training: bool = Field(
+        default=True,
+        description="Whether the engine generates while the trainer trains. True where they "
+        "have devices of their own (GPUs); false where they share a CPU's cores, on which "
+        "running both at once is slower than running them in turn: the engine then pauses for "
+        "each step's update and push, while tool calls and scoring go on.",
+    )
+    oversample_groups: int = Field(
+        default=0,
+        ge=0,
+        description="Groups started beyond the staleness bound's budget, so that a step is not "
+        "starved while filtered groups (dynamic sampling) are replaced; one that then turns "
+        "out too stale is rolled out again.",
+    )
+
+
 class SftConfig(StrictModel):
     """Supervised fine-tuning (`trainer.mode: sft`) on the conversations of `trainer.data`: the
     loss is the cross-entropy of the assistant messages' tokens (turnrl.chat_tokens.
@@ -292,9 +337,18 @@ class TrainerConfig(StrictModel):
         "share of every batch. A run must ask for the number its service runs.",
     )
     run_name: str = Field(default="calculator", min_length=1, description="Name of the run.")
+    loop: Literal["sync", "async"] = Field(
+        default="sync",
+        description="RL only. sync: roll out a batch, train, push, repeat. async: keep the "
+        "rollout service busy, train on each batch as soon as it is ready, push without "
+        "draining (trainer.async_loop).",
+    )
+    async_loop: AsyncLoopConfig = Field(
+        default_factory=AsyncLoopConfig, description="The async loop (loop: async)."
+    )
     mode: Literal["rl", "sft"] = Field(
         default="rl",
-        description="rl: the sync RL loop, through the rollout, tool and reward services. sft: "
+        description="rl: the RL loop (trainer.loop), through the rollout, tool and reward services. sft: "
         "supervised fine-tuning on written conversations (trainer.sft), in this service alone: "
         "rollout_service, rollout, algorithm and weight_sync are not used.",
     )
@@ -352,6 +406,14 @@ class TrainerConfig(StrictModel):
         default="offline",
         description="wandb logging; online needs WANDB_API_KEY. Files go under the run folder.",
     )
+
+    @model_validator(mode="after")
+    def _async_loop_fits_the_run(self) -> Self:
+        if self.async_loop != AsyncLoopConfig() and self.loop != "async":  # as for critic
+            raise ValueError("async_loop is set but loop is 'sync'; set loop: async to use it")
+        if self.loop == "async" and self.mode == "sft":
+            raise ValueError("loop: async is an RL loop; an SFT run (mode: sft) has no rollouts")
+        return self
 
     @model_validator(mode="after")
     def _critic_fits_the_algorithm(self) -> Self:

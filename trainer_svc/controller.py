@@ -1,5 +1,6 @@
-"""The sync controller loop of one run: roll out, score, train, push weights, evaluate,
-checkpoint; repeat.
+"""The sync controller loop of one run (`trainer.loop: sync`): roll out, score, train, push
+weights, evaluate, checkpoint; repeat. The async loop (trainer_svc/async_controller.py) is this
+one with another `_rollout`.
 
     setup     model, data, weight-sync group; resume from the last checkpoint;
               push the starting weights so the engine serves exactly the trainer's policy
@@ -22,19 +23,23 @@ from typing import Any
 import torch
 
 from trainer_svc.data import EpochSampler, PromptRecord, load_datasets
+from trainer_svc.ledger import PromptLedger, prompt_key
 from trainer_svc.ranks import checkpoint_state, gather_weights
 from trainer_svc.report import REWARD_PLOT
 from trainer_svc.rl_step import (
+    RolloutBatch,
+    infra_failed,
     keep_groups_with_signal,
     mini_batches,
     rl_models,
     rl_update,
     rollout_batch,
     rollout_metrics,
+    staleness_metrics,
     trainable,
 )
 from trainer_svc.run_loop import FINAL_MODEL, ProgressEvent, RunLoop
-from trainer_svc.weight_push import WeightPusher
+from trainer_svc.weight_push import PushResult, WeightPusher
 from turnrl import rpc
 from turnrl.trajectory import Trajectory
 from turnrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -55,9 +60,10 @@ class Controller(RunLoop):
         train, self.held_out = load_datasets(config.data, config.seed)
         self.sampler = EpochSampler(train, config.seed, config.data.shuffle)
         self.generator = torch.Generator().manual_seed(config.seed)
+        self.ledger = PromptLedger(self.run_dir)
         state = await self._restore_checkpoint() if resume else None
         if state is not None:
-            self.generator.set_state(state["generator"])
+            self._resume_from(state)
         self._open_report(state is not None, REWARD_PLOT)
         async with rpc.open_channel(config.rollout_service) as rollout_channel:
             self.rollout = rollout_pb2_grpc.RolloutServiceStub(rollout_channel)
@@ -78,67 +84,118 @@ class Controller(RunLoop):
                 self.pusher.close()
         return await self._finish(model_path, started)
 
+    def _resume_from(self, state: dict[str, Any]) -> None:
+        """Continues the loop's own state from a checkpoint (the models, the step and the data
+        position are restored already)."""
+        self.generator.set_state(state["generator"])
+        self.ledger.rewind(self.step)
+
     async def _train_step(self) -> None:
         self.step += 1
-        timings: dict[str, float] = {}
-        started = time.monotonic()
-        trajectories = await self._rollout()
-        timings["time/rollout"] = time.monotonic() - started
-        rollouts = rollout_batch(trajectories, self.pad_token_id)
-        metrics = {f"rollout/{k}": v for k, v in rollout_metrics(trajectories).items()}
-        generated = int(rollouts.batch.loss_mask.sum())
-        metrics["rollout/tokens_per_s"] = generated / max(timings["time/rollout"], 1e-9)
+        trajectories, metrics = await self._rollout()
+        rollouts = rollout_batch(trajectories, self.pad_token_id, self._policy_version)
+        metrics.update({f"rollout/{k}": v for k, v in rollout_metrics(trajectories).items()})
+        metrics.update(staleness_metrics(trajectories, self._policy_version))
         self.emit(ProgressEvent(self.step, "rollout", metrics))
 
+        await self._train(rollouts, metrics)
+        started = time.monotonic()
+        pushed = await self._push()
+        metrics["time/push"] = time.monotonic() - started
+        metrics["time/push_stall"] = pushed.seconds  # generation paused, Pause to Resume
+        self.emit(ProgressEvent(self.step, "push", {"time/push": metrics["time/push"]}))
+        # The engine's own gauges and running totals (busy seconds, tokens, cache hits), as
+        # the rollout service reports them.
+        stats = await self.rollout.GetStats(rollout_pb2.GetStatsRequest(), timeout=30)
+        metrics.update({f"engine/{name}": value for name, value in stats.metrics.items()})
+        self.report.log(self.step, metrics)
+        await self._evaluate_and_checkpoint_when_due()
+
+    async def _train(self, rollouts: RolloutBatch, metrics: dict[str, float]) -> None:
+        """The update of one step on `rollouts` (on every rank); adds its metrics to `metrics`."""
         started = time.monotonic()
         algorithm = self.config.algorithm
         rows = [
             mini
             for _ in range(algorithm.ppo_epochs)
-            for mini in mini_batches(len(trajectories), algorithm.mini_batches, self.generator)
+            for mini in mini_batches(
+                len(rollouts.trajectories), algorithm.mini_batches, self.generator
+            )
         ]
         # The trajectories stay here: the ranks need the tensors only.
         tensors = replace(rollouts, trajectories=[])
         metrics.update(await self.ranks.run(rl_update, tensors, self.config, self.step, rows))
-        timings["time/train"] = time.monotonic() - started
+        metrics["time/train"] = time.monotonic() - started
         tokens = int(rollouts.batch.attention_mask.sum()) * self.config.algorithm.ppo_epochs
-        metrics["train/tokens_per_s"] = tokens / timings["time/train"]
+        metrics["train/tokens_per_s"] = tokens / metrics["time/train"]
         self.emit(ProgressEvent(self.step, "train", metrics))
 
+    async def _rollout(self) -> tuple[list[Trajectory], dict[str, float]]:
+        """One batch of scored, usable trajectories (`trainable`), and the rollout's timing;
+        with dynamic sampling, groups that teach nothing are dropped and more prompts rolled
+        out, up to `max_refills` times. Writes the step's line of the prompt ledger."""
         started = time.monotonic()
-        await self._push()
-        timings["time/push"] = time.monotonic() - started
-        self.emit(ProgressEvent(self.step, "push", {"time/push": timings["time/push"]}))
-        self.report.log(self.step, {**metrics, **timings})
-        await self._evaluate_and_checkpoint_when_due()
-
-    async def _rollout(self) -> list[Trajectory]:
-        """One batch of scored trajectories; with dynamic sampling, groups that teach nothing
-        are dropped and more prompts rolled out, up to `max_refills` times."""
         algorithm = self.config.algorithm
-        wanted = self.config.rollout.prompts_per_step * self.config.rollout.samples_per_prompt
+        groups_per_step = self.config.rollout.prompts_per_step
         kept: list[Trajectory] = []
+        drawn: list[str] = []
+        infra_failures = 0
         for attempt in range(1 + (algorithm.max_refills if algorithm.dynamic_sampling else 0)):
-            records = self.sampler.next_batch(self.config.rollout.prompts_per_step)
-            found = await self._generate(records, f"step{self.step}.{attempt}", training=True)
+            positions = self.sampler.next_positions(groups_per_step)
+            records = [self.sampler.record_at(p) for p in positions]
+            keys = [prompt_key(p, r.prompt_id) for p, r in zip(positions, records, strict=True)]
+            drawn += keys
+            found = await self._generate(records, keys, f"step{self.step}.{attempt}", training=True)
+            infra_failures += sum(map(infra_failed, found))
             found = [t for t in found if trainable(t)]
             kept += keep_groups_with_signal(found) if algorithm.dynamic_sampling else found
-            if len(kept) >= wanted:
+            if len({t.group_id for t in kept}) >= groups_per_step:
                 break
         if not kept:
             raise RuntimeError(
                 f"step {self.step}: no trajectory to train on (all groups had equal rewards or "
-                "no model tokens); raise algorithm.max_refills or check the rollout service"
+                "no usable model tokens); raise algorithm.max_refills or check the rollout service"
             )
-        return kept[:wanted]
+        kept_groups = list(dict.fromkeys(t.group_id for t in kept))
+        trained = kept_groups[:groups_per_step]
+        self.ledger.record(
+            self.step,
+            trained=trained,
+            filtered=[key for key in drawn if key not in kept_groups],
+            unused=kept_groups[groups_per_step:],
+        )
+        batch = [t for t in kept if t.group_id in trained]
+        seconds = time.monotonic() - started
+        generated = sum(t.metrics["model_tokens"] for t in kept)
+        return batch, {
+            "time/rollout": seconds,
+            "rollout/tokens_per_s": generated / seconds,
+            "rollout/infra_failed_trajectories": float(infra_failures),
+        }
 
     async def _generate(
-        self, records: list[PromptRecord], tag: str, *, training: bool
+        self, records: list[PromptRecord], prompt_ids: list[str], tag: str, *, training: bool
     ) -> list[Trajectory]:
+        """The trajectories of `records` (their groups named `prompt_ids`, unique in the call),
+        in trajectory id order."""
+        replies = self.rollout.Generate(
+            self._generate_request(records, prompt_ids, tag, training=training),
+            timeout=self.config.rollout.timeout_seconds,
+        )
+        trajectories = [Trajectory.from_proto(reply.trajectory) async for reply in replies]
+        # They stream back as they finish; a fixed order keeps mini-batches (and a resumed run)
+        # reproducible.
+        return sorted(trajectories, key=lambda t: t.trajectory_id)
+
+    def _generate_request(
+        self, records: list[PromptRecord], prompt_ids: list[str], tag: str, *, training: bool
+    ) -> rollout_pb2.GenerateRequest:
+        """A Generate call for `records`: training samples `samples_per_prompt` each at the
+        configured temperature, evaluation one each, greedy."""
         request_config = self.config.rollout
-        prompts = [r.to_proto(self.config.rollout.tools) for r in records]
-        for index, prompt in enumerate(prompts):
-            prompt.prompt_id = f"{index}:{prompt.prompt_id}"  # a record may recur in a batch
+        prompts = [r.to_proto(request_config.tools) for r in records]
+        for prompt, prompt_id in zip(prompts, prompt_ids, strict=True):
+            prompt.prompt_id = prompt_id
         sampling = (
             common_pb2.SamplingParams(
                 temperature=request_config.temperature,
@@ -148,7 +205,7 @@ class Controller(RunLoop):
             if training
             else common_pb2.SamplingParams(temperature=0.0)
         )
-        request = rollout_pb2.GenerateRequest(
+        return rollout_pb2.GenerateRequest(
             prompts=prompts,
             n=request_config.samples_per_prompt if training else 1,
             sampling=sampling,
@@ -160,27 +217,33 @@ class Controller(RunLoop):
             enable_scoring=True,
             request_id=f"{self.run_dir.name}/{tag}",
         )
-        replies = self.rollout.Generate(request, timeout=request_config.timeout_seconds)
-        trajectories = [Trajectory.from_proto(reply.trajectory) async for reply in replies]
-        # They stream back as they finish; a fixed order keeps mini-batches (and a resumed run)
-        # reproducible.
-        return sorted(trajectories, key=lambda t: t.trajectory_id)
 
-    async def _push(self) -> None:
+    async def _push(self) -> PushResult:
         """Sends the policy's weights as the next version the engine has not seen."""
         stats = await self.rollout.GetStats(rollout_pb2.GetStatsRequest(), timeout=30)
         self._policy_version = max(self._policy_version, stats.policy_version) + 1
         bucket_size_bytes = self.config.weight_sync.bucket_size_mb * MIB
         weights = await self.ranks.run(gather_weights, bucket_size_bytes)
-        await self.pusher.push(weights, self._policy_version)
+        return await self.pusher.push(weights, self._policy_version)
 
     async def _evaluate(self) -> None:
         if not self.held_out:
             return
         started = time.monotonic()
-        trajectories = await self._generate(self.held_out, f"eval{self.step}", training=False)
-        measured = rollout_metrics(trajectories)
+        prompt_ids = [f"{i}:{r.prompt_id}" for i, r in enumerate(self.held_out)]
+        trajectories = await self._generate(
+            self.held_out, prompt_ids, f"eval{self.step}", training=False
+        )
+        usable = [t for t in trajectories if not infra_failed(t)]
+        if not usable:
+            raise RuntimeError(
+                f"held-out evaluation at step {self.step}: every trajectory hit a tool or reward "
+                "call that could not run; check the tool and reward services"
+            )
+        measured = rollout_metrics(usable)
         metrics = {
+            # An answer lost to a dead service is not a wrong answer: it counts here only.
+            "eval/infra_failed_trajectories": float(len(trajectories) - len(usable)),
             "eval/accuracy": measured["accuracy"],
             "eval/pass@1": measured["accuracy"],
             "eval/reward_mean": measured["reward_mean"],
@@ -194,9 +257,12 @@ class Controller(RunLoop):
 
     async def _checkpoint(self) -> None:
         state = await self.ranks.run(checkpoint_state)
-        state["data_position"] = self.sampler.position
-        state["generator"] = self.generator.get_state()
-        await self._save_checkpoint(state)
+        await self._save_checkpoint({**state, **self._loop_state()})
+
+    def _loop_state(self) -> dict[str, Any]:
+        """What a checkpoint holds of the loop beside the models: the data position and the
+        mini-batch order's generator."""
+        return {"data_position": self.sampler.position, "generator": self.generator.get_state()}
 
     def _summary(self, wall_seconds: float) -> dict[str, Any]:
         report = self.report

@@ -247,11 +247,17 @@ class EpochSampler(Generic[Record]):
         self._epoch_order: tuple[int, list[int]] = (-1, [])
 
     def next_batch(self, size: int) -> list[Record]:
-        batch = [self._record_at(self.position + i) for i in range(size)]
-        self.position += size
-        return batch
+        return [self.record_at(position) for position in self.next_positions(size)]
 
-    def _record_at(self, position: int) -> Record:
+    def next_positions(self, size: int) -> list[int]:
+        """The positions of the next `size` records, drawn: a position names one draw of one
+        record (its epoch and place in that epoch's order), so it identifies a prompt of the
+        run in the prompt ledger and in a checkpoint's prompts in flight."""
+        positions = list(range(self.position, self.position + size))
+        self.position += size
+        return positions
+
+    def record_at(self, position: int) -> Record:
         epoch, index = divmod(position, len(self._records))
         if self._epoch_order[0] != epoch:
             order = list(range(len(self._records)))

@@ -139,7 +139,7 @@ def policy_loss(
     clip-higher). With `dual_clip` c > 1, a token with a negative advantage A has its loss
     capped at -c * A (dual-clip PPO). `ratio_level="sequence"` is GSPO: one ratio per row (see
     `_log_ratio`); the GSPO paper aggregates with "seq-mean-token-mean". `importance_weights`
-    (e.g. from `truncated_importance_weights`) multiply the per-token loss before aggregation.
+    (e.g. from `behaviour_importance_weights`) multiply the per-token loss before aggregation.
 
     Returns (loss, metrics), metrics detached scalars over masked tokens: "clip_fraction"
     (share of tokens where the clipped term won), "dual_clip_fraction" (share capped by dual
@@ -244,15 +244,84 @@ def logprob_mismatch(
     return dict(zip(["mean_abs_diff", "max_abs_diff", "kl_k1", "kl_k3"], stats, strict=True))
 
 
-def truncated_importance_weights(
-    old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor, *, cap: float
-) -> Tensor:
-    """Truncated importance sampling (TIS) weights min(exp(old_lp - rollout_lp), cap), (B, T).
+def _behaviour_weights(old_logprobs: Tensor, rollout_logprobs: Tensor) -> Tensor:
+    """exp(old_lp - rollout_lp) per token, (B, T), the log ratio clamped to +-MAX_ABS_LOG_RATIO;
+    no gradient."""
+    log_ratio = (old_logprobs - rollout_logprobs).detach()
+    return torch.exp(log_ratio.clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO))
 
-    Corrects for tokens sampled by the rollout engine but trained as if from the trainer's
-    `old_logprobs`. 1 where the mask is False; no gradient. Raises ValueError if cap <= 0.
+
+def _truncate(weights: Tensor, loss_mask: Tensor, cap: float) -> Tensor:
+    return weights.clamp(max=cap)
+
+
+def _mask(weights: Tensor, loss_mask: Tensor, cap: float) -> Tensor:
+    return torch.where(weights <= cap, weights, 0.0)
+
+
+def _reject(weights: Tensor, loss_mask: Tensor, cap: float) -> Tensor:
+    rejected = ((weights > cap) & loss_mask).any(dim=-1, keepdim=True)
+    return torch.where(rejected, 0.0, weights)
+
+
+# Each maps raw weights w (B, T), the loss mask and the cap C to the weights the loss uses.
+IMPORTANCE_SAMPLING: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {
+    "truncate": _truncate,
+    "mask": _mask,
+    "reject": _reject,
+}
+
+
+def behaviour_importance_weights(
+    old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor, *, mode: str, cap: float
+) -> Tensor | None:
+    """Importance weights from the behaviour policy (the engine) to the proximal policy, (B, T).
+
+    Decoupled PPO (AReaL): the PPO ratio is taken against the proximal policy, the trainer's
+    `old_logprobs` before the update, and the tokens, sampled by the engine's `rollout_logprobs`
+    (possibly an older policy version, and always another numerical implementation), are
+    reweighted by w = exp(old_lp - rollout_lp) = proximal / behaviour. With C = `cap`:
+
+    - "truncate": min(w, C), token-level truncated IS (TIS).
+    - "mask": w where w <= C, else 0, token-level masked IS (AReaL's behaviour-weight cap): the
+      token leaves the loss's numerator but stays in its denominator (the aggregation's counts,
+      which the micro-batch shares rely on, are the loss mask's).
+    - "reject": sequence-level rejection: a row any of whose model tokens has w > C gets weight
+      0 on every token; the other rows keep their w (all <= C, so bounded like "mask"). In a
+      multi-turn trajectory the turns after a token the engine sampled far off the trainer's
+      distribution were conditioned on it, so the whole trajectory, not only that token, is
+      suspect; "mask" would keep training on its continuation.
+    - "none": no behaviour correction (the ablation); returns None, which `policy_loss` reads
+      as no weights.
+
+    Weights are 1 where `loss_mask` is False and carry no gradient. Raises ValueError for an
+    unknown mode or cap <= 0.
     """
+    if mode == "none":
+        return None
+    if mode not in IMPORTANCE_SAMPLING:
+        known = sorted(["none", *IMPORTANCE_SAMPLING])
+        raise ValueError(f"unknown importance_sampling mode {mode!r}; known: {known}")
     if cap <= 0:
         raise ValueError(f"cap must be > 0; got {cap!r}")
-    log_ratio = (old_logprobs - rollout_logprobs).detach().clamp(max=MAX_ABS_LOG_RATIO)
-    return torch.where(loss_mask, torch.exp(log_ratio).clamp(max=cap), 1.0)
+    weights = IMPORTANCE_SAMPLING[mode](
+        _behaviour_weights(old_logprobs, rollout_logprobs), loss_mask, cap
+    )
+    return torch.where(loss_mask, weights, 1.0)
+
+
+def importance_weight_metrics(
+    old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor, *, cap: float
+) -> dict[str, float]:
+    """Statistics of the raw behaviour weights w = exp(old_lp - rollout_lp) over masked tokens,
+    before any mode's cap: "weight_mean", "weight_max" and "capped_fraction" (share of tokens
+    with w > cap). All 0.0 for an empty mask. Costs one device-to-host sync."""
+    weights = torch.where(loss_mask, _behaviour_weights(old_logprobs, rollout_logprobs), 0.0)
+    stats = torch.stack(
+        [
+            _masked_mean(weights, loss_mask),
+            weights.max(),
+            _masked_mean((weights > cap).float(), loss_mask),
+        ]
+    ).tolist()
+    return dict(zip(["weight_mean", "weight_max", "capped_fraction"], stats, strict=True))

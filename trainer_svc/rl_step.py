@@ -24,33 +24,42 @@ from trainer_svc.critic import FsdpCritic
 from trainer_svc.fsdp import Batch, FsdpPolicy
 from trainer_svc.losses import (
     aggregate,
+    behaviour_importance_weights,
     explained_variance,
+    importance_weight_metrics,
     kl_estimate,
     logprob_mismatch,
     policy_loss,
-    truncated_importance_weights,
     value_loss,
 )
 from trainer_svc.ranks import Models, share_of
-from turnrl.trajectory import FinishReason, Trajectory
+from turnrl.trajectory import FinishReason, SegmentSource, Trajectory
 
 
 @dataclass
 class RolloutBatch:
     """Trajectories of one step as padded tensors, with their rewards and groups."""
 
-    batch: Batch  # extras: rollout_logprobs
+    batch: Batch  # extras: rollout_logprobs, and policy_staleness given a policy_version
     rewards: Tensor  # (B,)
     group_index: Tensor  # (B,) long
     trajectories: list[Trajectory]
 
 
-def rollout_batch(trajectories: list[Trajectory], pad_token_id: int) -> RolloutBatch:
-    """Tensors of `trajectories`; each needs at least one model token (`trainable`)."""
+def rollout_batch(
+    trajectories: list[Trajectory], pad_token_id: int, policy_version: int | None = None
+) -> RolloutBatch:
+    """Tensors of `trajectories`; each needs at least one model token (`trainable`). Given the
+    `policy_version` of the trainer's weights, the extra "policy_staleness" holds each model
+    token's versions behind it (0 on the other tokens). Raises ValueError for a model token
+    newer than `policy_version`."""
+    extras = {"rollout_logprobs": [t.rollout_logprobs for t in trajectories]}
+    if policy_version is not None:
+        extras["policy_staleness"] = [_token_staleness(t, policy_version) for t in trajectories]
     batch = Batch.from_sequences(
         [t.token_ids for t in trajectories],
         [t.loss_mask for t in trajectories],
-        {"rollout_logprobs": [t.rollout_logprobs for t in trajectories]},
+        extras,
         pad_token_id,
     )
     return RolloutBatch(
@@ -59,6 +68,48 @@ def rollout_batch(trajectories: list[Trajectory], pad_token_id: int) -> RolloutB
         group_index=_group_index(trajectories),
         trajectories=trajectories,
     )
+
+
+def _token_staleness(trajectory: Trajectory, policy_version: int) -> list[float]:
+    """policy_version - the token's policy version on model tokens, 0 on the others."""
+    newest = max(_model_policy_versions(trajectory), default=policy_version)
+    if newest > policy_version:
+        raise ValueError(
+            f"trajectory {trajectory.trajectory_id!r} has model tokens of policy_version "
+            f"{newest}, newer than the trainer's {policy_version}"
+        )
+    return [
+        float(policy_version - segment.policy_version)
+        if segment.source is SegmentSource.MODEL
+        else 0.0
+        for segment in trajectory.segments
+        for _ in segment.token_ids
+    ]
+
+
+def _model_policy_versions(trajectory: Trajectory) -> list[int]:
+    return [s.policy_version for s in trajectory.segments if s.source is SegmentSource.MODEL]
+
+
+def staleness_metrics(trajectories: list[Trajectory], policy_version: int) -> dict[str, float]:
+    """How far behind `policy_version` the trajectories were generated: a trajectory's
+    staleness is policy_version - the oldest policy version among its model tokens (a partial
+    rollout spans several). Returns "staleness/mean", "staleness/max" and, for each staleness s
+    present, "staleness/{s}": the share of trajectories with staleness s. Trajectories without
+    model tokens are left out; none left gives mean and max 0."""
+    staleness = [
+        policy_version - min(versions)
+        for versions in map(_model_policy_versions, trajectories)
+        if versions
+    ]
+    count = max(len(staleness), 1)
+    metrics = {
+        "staleness/mean": sum(staleness) / count,
+        "staleness/max": float(max(staleness, default=0)),
+    }
+    for value in sorted(set(staleness)):
+        metrics[f"staleness/{value}"] = staleness.count(value) / count
+    return metrics
 
 
 def _rewards(trajectories: list[Trajectory]) -> Tensor:
@@ -72,11 +123,22 @@ def _group_index(trajectories: list[Trajectory]) -> Tensor:
 
 
 def trainable(trajectory: Trajectory) -> bool:
-    """A trajectory the loss can use: it holds model tokens and was not aborted or failed."""
-    return any(trajectory.loss_mask) and trajectory.finish_reason not in (
-        FinishReason.ABORTED,
-        FinishReason.ERROR,
+    """A trajectory the loss can use: it holds model tokens, was not aborted or failed, and no
+    infrastructure failure (`infra_failed`) set its reward."""
+    return (
+        any(trajectory.loss_mask)
+        and trajectory.finish_reason not in (FinishReason.ABORTED, FinishReason.ERROR)
+        and not infra_failed(trajectory)
     )
+
+
+def infra_failed(trajectory: Trajectory) -> bool:
+    """Whether a service, not the model, decided the outcome: the scorer failed (the reward is
+    its configured default) or a tool call could not be run by the tool service (the
+    "tool_infra_errors" metric). Such a reward says nothing about the policy; it stays out of
+    the loss and of its group's statistics."""
+    reward_failed = trajectory.reward is not None and trajectory.reward.error
+    return reward_failed or trajectory.metrics.get("tool_infra_errors", 0) > 0
 
 
 def keep_groups_with_signal(trajectories: list[Trajectory]) -> list:
@@ -96,17 +158,17 @@ def prepare_update(
 ) -> dict[str, float]:
     """Adds old_logprobs, ref_logprobs, advantages and, with a critic, old_values and returns
     to the batch's extras; returns the train/inference mismatch metrics of the engine's
-    logprobs against the trainer's, the KL to the reference and the critic's fit."""
+    logprobs against the trainer's (split by staleness when the batch has "policy_staleness"),
+    the behaviour importance weights' statistics, the KL to the reference and the critic's
+    fit.
+
+    old_logprobs are the proximal policy of decoupled PPO, the engine's rollout_logprobs its
+    behaviour policy (`behaviour_importance_weights`)."""
     batch = rollouts.batch
     old_logprobs, _ = policy.logprobs(batch)
     batch.extras["old_logprobs"] = old_logprobs
     token_rewards = sequence_rewards_to_tokens(rollouts.rewards, batch.loss_mask)
-    metrics = {
-        f"mismatch/{name}": value
-        for name, value in logprob_mismatch(
-            batch.extras["rollout_logprobs"], old_logprobs, batch.loss_mask
-        ).items()
-    }
+    metrics = _behaviour_metrics(batch, algorithm.importance_cap)
     if reference is not None:
         ref_logprobs, _ = reference.logprobs(batch)
         batch.extras["ref_logprobs"] = ref_logprobs
@@ -137,6 +199,25 @@ def prepare_update(
     if returns is not None:  # gae, whose values came from the critic
         batch.extras["returns"] = returns
         metrics.update(_critic_fit_metrics(old_values, returns, batch.loss_mask))
+    return metrics
+
+
+def _behaviour_metrics(batch: Batch, cap: float) -> dict[str, float]:
+    """The engine's logprobs against the trainer's old_logprobs over the batch's model tokens:
+    "mismatch/*" (`logprob_mismatch`), the same per staleness s as "mismatch/staleness_{s}/
+    mean_abs_diff" and ".../kl_k3" when the batch has "policy_staleness", and "is/*"
+    (`importance_weight_metrics`, whatever the importance_sampling mode)."""
+    rollout, old = batch.extras["rollout_logprobs"], batch.extras["old_logprobs"]
+    mask = batch.loss_mask
+    metrics = {f"mismatch/{k}": v for k, v in logprob_mismatch(rollout, old, mask).items()}
+    staleness = batch.extras.get("policy_staleness")
+    if staleness is not None:
+        for value in sorted(set(staleness[mask].long().tolist())):
+            stats = logprob_mismatch(rollout, old, mask & (staleness == value))
+            for name in ("mean_abs_diff", "kl_k3"):
+                metrics[f"mismatch/staleness_{value}/{name}"] = stats[name]
+    weights = importance_weight_metrics(old, rollout, mask, cap=cap)
+    metrics.update({f"is/{name}": value for name, value in weights.items()})
     return metrics
 
 
@@ -206,21 +287,21 @@ def _critic_fit_metrics(values: Tensor, returns: Tensor, loss_mask: Tensor) -> d
 
 
 def make_loss_fn(algorithm: AlgorithmConfig, normalizer: int):
-    """The loss for `FsdpPolicy.train_step`: PPO-family policy loss, KL loss, entropy bonus,
-    each aggregated per `algorithm.loss_aggregation` and rescaled from the micro-batch's own
-    counts to the step's global ones (the train_step contract)."""
+    """The loss for `FsdpPolicy.train_step`: PPO-family policy loss (decoupled: the ratio against
+    old_logprobs, each token weighted per `algorithm.importance_sampling`), KL loss, entropy
+    bonus, each aggregated per `algorithm.loss_aggregation` and rescaled from the micro-batch's
+    own counts to the step's global ones (the train_step contract)."""
     mode = algorithm.loss_aggregation
 
     def loss_fn(micro: Batch, logprobs: Tensor, entropy: Tensor | None):
         mask = micro.loss_mask
-        weights = None
-        if algorithm.importance_cap is not None:
-            weights = truncated_importance_weights(
-                micro.extras["old_logprobs"],
-                micro.extras["rollout_logprobs"],
-                mask,
-                cap=algorithm.importance_cap,
-            )
+        weights = behaviour_importance_weights(
+            micro.extras["old_logprobs"],
+            micro.extras["rollout_logprobs"],
+            mask,
+            mode=algorithm.importance_sampling,
+            cap=algorithm.importance_cap,
+        )
         loss, metrics = policy_loss(
             logprobs,
             micro.extras["old_logprobs"],
@@ -287,7 +368,8 @@ def mini_batches(size: int, count: int, generator: torch.Generator) -> list[list
 
 
 def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
-    """Reward, accuracy, lengths, turns and tool use of a set of trajectories."""
+    """Reward, accuracy, lengths, turns and tool use of a set of trajectories (the loops count
+    the ones `infra_failed` apart: those are left out of these figures)."""
     count = max(len(trajectories), 1)
     rewards = torch.tensor([t.reward.score for t in trajectories] or [0.0])
     response_lengths = [t.response_length for t in trajectories]
@@ -299,7 +381,6 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         "turns": sum(len(t.turns) for t in trajectories) / count,
         "tool_calls": sum(t.metrics["tool_calls"] for t in trajectories) / count,
         "tool_errors": sum(t.metrics["tool_errors"] for t in trajectories) / count,
-        "reward_errors": sum(t.reward.error for t in trajectories) / count,
     }
 
 

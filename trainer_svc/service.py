@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from trainer_svc.async_controller import AsyncController
 from trainer_svc.config import TrainerConfig
 from trainer_svc.controller import Controller
 from trainer_svc.ranks import Ranks
@@ -30,8 +31,12 @@ from turnrl.errors import (
 )
 
 logger = logging.getLogger(__name__)
-# The loop of each `trainer.mode`.
-LOOPS: dict[str, type[RunLoop]] = {"rl": Controller, "sft": SftController}
+# The loop of each `trainer.mode`, and of `trainer.loop` in mode rl.
+LOOPS: dict[str, type[RunLoop]] = {
+    "sync": Controller,
+    "async": AsyncController,
+    "sft": SftController,
+}
 
 
 class RunState(enum.Enum):
@@ -129,7 +134,7 @@ class TrainerService:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(config_yaml)
         record = RunRecord(name, output_dir)
-        record.controller = LOOPS[config.mode](
+        record.controller = LOOPS[config.loop if config.mode == "rl" else "sft"](
             config, output_dir, partial(self._on_event, record), self._ranks
         )
         self._runs[name] = record

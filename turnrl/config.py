@@ -22,6 +22,8 @@ DEFAULT_PORTS = {"tool": 50051, "reward": 50052, "rollout": 50053, "trainer": 50
 CLIENT_TOKEN_ENV = "TURNRL_AUTH_TOKEN"
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+# The top-level key of a config file that names the file it varies (`_read_config_file`).
+BASE_KEY = "base"
 
 
 class StrictModel(BaseModel):
@@ -150,30 +152,53 @@ def cache_dir() -> Path:
 
 
 def load_config_data(path: Path | None, overrides: Sequence[str]) -> tuple[dict[str, Any], dict]:
-    """Reads the YAML file (None: empty) and applies `key.sub=value` overrides.
+    """Reads the YAML file (None: empty), over the file its `base:` key names, if any, and
+    applies `key.sub=value` overrides.
 
     Returns the merged data and the overrides as {dotted key: original text}, which
     `validate_config` uses to say whether a bad key came from the file or the command line.
     """
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text())
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror}") from e
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from e
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(
-                f"{path}: the top level must be a mapping, got {type(loaded).__name__}"
-            )
-        data = loaded or {}
+    data = _read_config_file(Path(path), ()) if path is not None else {}
     applied: dict[str, str] = {}
     for override in overrides:
         key, value = _parse_override(override)
         _set_dotted(data, key, value, override)
         applied[key] = override
     return data, applied
+
+
+def _read_config_file(path: Path, children: tuple[Path, ...]) -> dict[str, Any]:
+    """A config file's mapping. A top-level `base: other.yaml` (relative to the file) makes it
+    a variant of that file: its own keys are merged over the base's, mappings key by key, any
+    other value replacing the base's."""
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(loaded).__name__}")
+    data = loaded or {}
+    if BASE_KEY not in data:
+        return data
+    base = data.pop(BASE_KEY)
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: `{BASE_KEY}` must name a config file, got {base!r}")
+    base_path = path.parent / base
+    if base_path.resolve() in {p.resolve() for p in (*children, path)}:
+        raise ConfigError(f"{path}: `{BASE_KEY}: {base}` makes a cycle of config files")
+    return _merged(_read_config_file(base_path, (*children, path)), data)
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merged(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def validate_config(

@@ -25,6 +25,7 @@ import contextlib
 import logging
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Literal, Self
@@ -158,7 +159,8 @@ class HfEngine:
         self._paused = False
         # Replies to send after this iteration's stats are published: (loop, future, outcome).
         self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, object]] = []
-        self._counters = {"prefix_cache_hits": 0, "prefix_cache_hit_tokens": 0}
+        # busy_seconds: time spent prefilling and decoding, the engine's share of the machine.
+        self._counters = {"prefix_cache_hits": 0, "prefix_cache_hit_tokens": 0, "busy_seconds": 0.0}
         self._stats: dict[str, float] = {}
         self._publish_stats()
         self._worker = threading.Thread(target=self._work, name="hf-engine", daemon=True)
@@ -266,8 +268,8 @@ class HfEngine:
     def stats(self) -> dict[str, float]:
         """running, waiting, paused (0/1), policy_version, cached_sessions, session_kv_bytes,
         running_kv_bytes (allocated), session_evictions, and the running totals
-        tokens_generated, prefill_tokens (computed), prefill_forwards, prefix_cache_hits and
-        prefix_cache_hit_tokens (reused)."""
+        tokens_generated, prefill_tokens (computed), prefill_forwards, prefix_cache_hits,
+        prefix_cache_hit_tokens (reused) and busy_seconds (prefilling and decoding)."""
         with self._lock:
             return {
                 **self._stats,
@@ -331,9 +333,11 @@ class HfEngine:
         if closing:
             self._finish_all(FinishReason.ABORT)
         elif not self._paused:
+            started = time.perf_counter()
             self._admit()
             if self._runner.batch.requests:
                 self._decode_step()
+            self._counters["busy_seconds"] += time.perf_counter() - started
         self._flush()
         return not closing
 

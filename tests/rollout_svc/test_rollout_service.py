@@ -208,6 +208,17 @@ async def test_a_tool_service_that_dies_becomes_a_tool_error(tiny_model_dir):
     assert all(
         "tool service could not run" in text or "malformed tool call" in text for text in tool_texts
     ), tool_texts
+    # Calls the dead service could not run are infrastructure failures, counted apart (the
+    # trainer keeps such trajectories out of the loss); a broken call is the model's own.
+    assert all(t.metrics["tool_infra_errors"] == 0 for t in before)
+    for trajectory in trajectories:
+        unrun = sum(
+            "tool service could not run" in m.content[0].text
+            for m in trajectory.messages
+            if m.role == common_pb2.Message.ROLE_TOOL
+        )
+        assert trajectory.metrics["tool_infra_errors"] == unrun
+    assert called[0].metrics["tool_infra_errors"] >= 1  # its first call reached the dead service
 
 
 async def test_abort_returns_the_partial_trajectories(tiny_model_dir):
@@ -229,6 +240,10 @@ async def test_abort_returns_the_partial_trajectories(tiny_model_dir):
     assert aborted.aborted_trajectories >= 1
     assert len(trajectories) == 4
     assert any(t.finish_reason == Finish.FINISH_REASON_ABORTED for t in trajectories)
+    # However the abort fell (mid-turn, or between a tool result and the next token), none fails.
+    assert all(t.finish_reason != Finish.FINISH_REASON_ERROR for t in trajectories), [
+        t.error_message for t in trajectories
+    ]
 
 
 async def test_bad_requests_are_invalid_argument(tiny_model_dir):

@@ -1,10 +1,16 @@
-"""Fixtures of the trainer tests: a tiny random Qwen3 for the policy and critic back ends."""
+"""Fixtures of the trainer tests: a tiny random Qwen3 for the policy and critic back ends, and
+the four services started by `turnrl up` for the end-to-end runs."""
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from ..conftest import EXAMPLE_CONFIG, FREE_PORTS, SERVICE_NAMES, UP_TABLE_ROW
 
 
 @pytest.fixture(scope="module")
@@ -25,3 +31,27 @@ def model_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tiny_qwen3")
     Qwen3ForCausalLM(config).save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def services(example_on_tiny_model, tmp_path_factory) -> dict[str, str]:
+    """`turnrl up` with the example config on free ports; yields each service's address."""
+    log = (tmp_path_factory.mktemp("up") / "up.log").open("w")
+    up = ["up", "--config", str(EXAMPLE_CONFIG), *FREE_PORTS, *example_on_tiny_model]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "turnrl_cli", *up],
+        stdout=subprocess.PIPE,
+        stderr=log,  # a file, so the services' logs never fill a pipe nobody reads
+        text=True,
+    )
+    addresses = {}
+    for line in process.stdout:
+        if match := UP_TABLE_ROW.search(line):
+            addresses[match.group(1)] = match.group(2)
+        if "Ctrl-C stops them" in line:
+            break
+    assert set(addresses) == set(SERVICE_NAMES), Path(log.name).read_text()[-3000:]
+    yield addresses
+    process.send_signal(signal.SIGINT)
+    process.wait(timeout=60)
+    log.close()

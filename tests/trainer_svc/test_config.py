@@ -3,7 +3,7 @@
 import pytest
 
 from trainer_svc.config import TrainerConfig
-from turnrl.config import validate_config
+from turnrl.config import load_config_data, validate_config
 from turnrl.errors import ConfigError
 
 
@@ -26,6 +26,12 @@ from turnrl.errors import ConfigError
             },
             "critic.critic_only_steps=3 leaves no step of the 3 (steps)",
         ),
+        (
+            {"async_loop": {"max_staleness": 4}},
+            "async_loop is set but loop is 'sync'",
+        ),
+        ({"loop": "async", "mode": "sft"}, "loop: async is an RL loop"),
+        ({"loop": "async", "async_loop": {"max_staleness": -1}}, "greater than or equal to 0"),
     ],
 )
 def test_settings_of_another_algorithm_are_config_errors(trainer, message):
@@ -49,3 +55,26 @@ def test_a_gae_config_validates():
     config = validate_config(TrainerConfig, trainer, path=None, overrides={})
     assert config.critic.value_clip_range == 0.5
     assert config.critic.optim.learning_rate == 1e-4
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "message"),
+    [
+        ({"importance_sampling": "clip"}, "'none', 'truncate', 'mask' or 'reject'"),
+        ({"importance_sampling": "truncate", "importance_cap": 0.0}, "greater than 0"),
+        ({"importance_cap": None}, "importance_cap"),  # null no longer switches it off
+    ],
+)
+def test_bad_importance_sampling_settings_are_config_errors(algorithm, message):
+    with pytest.raises(ConfigError, match="invalid config") as info:
+        validate_config(TrainerConfig, {"algorithm": algorithm}, path=None, overrides={})
+    assert message in str(info.value)
+
+
+def test_importance_sampling_settings_are_read():
+    data, overrides = load_config_data(None, ["algorithm.importance_sampling=none"])
+    config = validate_config(TrainerConfig, data, path=None, overrides=overrides)
+    assert config.algorithm.importance_sampling == "none"
+    masked = {"algorithm": {"importance_sampling": "mask", "importance_cap": 5.0}}
+    config = validate_config(TrainerConfig, masked, path=None, overrides={})
+    assert (config.algorithm.importance_sampling, config.algorithm.importance_cap) == ("mask", 5.0)

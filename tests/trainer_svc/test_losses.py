@@ -8,12 +8,13 @@ from torch.testing import assert_close
 
 from trainer_svc.losses import (
     aggregate,
+    behaviour_importance_weights,
     entropy_from_logits,
     explained_variance,
+    importance_weight_metrics,
     kl_estimate,
     logprob_mismatch,
     policy_loss,
-    truncated_importance_weights,
     value_loss,
 )
 
@@ -291,10 +292,67 @@ def test_logprob_mismatch() -> None:
     assert empty == {"mean_abs_diff": 0.0, "max_abs_diff": 0.0, "kl_k1": 0.0, "kl_k3": 0.0}
 
 
-def test_truncated_importance_weights() -> None:
-    old, rollout = tensor([[-1.0, -1.0, -1.0]]), tensor([[-1.5, -0.5, -3.0]])
-    weights = truncated_importance_weights(old, rollout, mask([[1, 1, 0]]), cap=1.5)
-    # exp(0.5) = 1.65 capped to 1.5; exp(-0.5); masked -> 1.
-    assert_close(weights, tensor([[1.5, math.exp(-0.5), 1.0]]))
-    with pytest.raises(ValueError, match=r"cap.*0\.0"):
-        truncated_importance_weights(old, rollout, mask([[1, 1, 0]]), cap=0.0)
+# Row 0: w = e^0.5 = 1.65 (over the cap 1.5), e^-0.5, then a tool token (its 8.0 unseen).
+# Row 1: w = 1, e^0.25 = 1.28, both under the cap; its last position is padding.
+OLD_LOGPROBS = tensor([[-1.0, -1.0, 7.0], [-1.0, -1.0, 0.0]])
+ROLLOUT_LOGPROBS = tensor([[-1.5, -0.5, -1.0], [-1.0, -1.25, 0.0]])
+MODEL_TOKENS = mask([[1, 1, 0], [1, 1, 0]])
+E = math.exp
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("truncate", [[1.5, E(-0.5), 1.0], [1.0, E(0.25), 1.0]]),  # capped at 1.5
+        ("mask", [[0.0, E(-0.5), 1.0], [1.0, E(0.25), 1.0]]),  # the token over the cap is 0
+        ("reject", [[0.0, 0.0, 1.0], [1.0, E(0.25), 1.0]]),  # its whole row is 0
+    ],
+)
+def test_behaviour_importance_weights(mode: str, expected: list) -> None:
+    weights = behaviour_importance_weights(
+        OLD_LOGPROBS, ROLLOUT_LOGPROBS, MODEL_TOKENS, mode=mode, cap=1.5
+    )
+    assert_close(weights, tensor(expected))  # 1 off the mask in every mode
+
+
+def test_behaviour_importance_weights_off_is_no_weights() -> None:
+    # "none" is the ablation: `policy_loss` reads None as no weights at all.
+    off = behaviour_importance_weights(
+        OLD_LOGPROBS, ROLLOUT_LOGPROBS, MODEL_TOKENS, mode="none", cap=1
+    )
+    assert off is None
+
+
+def test_behaviour_importance_weights_carry_no_gradient() -> None:
+    old = OLD_LOGPROBS.clone().requires_grad_()
+    weights = behaviour_importance_weights(
+        old, ROLLOUT_LOGPROBS, MODEL_TOKENS, mode="truncate", cap=1.5
+    )
+    assert not weights.requires_grad
+
+
+@pytest.mark.parametrize(
+    ("mode", "cap", "message"),
+    [
+        ("clip", 1.5, r"'clip'.*\['mask', 'none', 'reject', 'truncate'\]"),
+        ("mask", 0.0, r"cap.*0\.0"),
+    ],
+)
+def test_behaviour_importance_weights_refuse_bad_settings(mode: str, cap: float, message: str):
+    with pytest.raises(ValueError, match=message):
+        behaviour_importance_weights(
+            OLD_LOGPROBS, ROLLOUT_LOGPROBS, MODEL_TOKENS, mode=mode, cap=cap
+        )
+
+
+def test_importance_weight_metrics_are_of_the_raw_weights() -> None:
+    stats = importance_weight_metrics(OLD_LOGPROBS, ROLLOUT_LOGPROBS, MODEL_TOKENS, cap=1.5)
+    assert stats == pytest.approx(
+        {
+            "weight_mean": (E(0.5) + E(-0.5) + 1.0 + E(0.25)) / 4,
+            "weight_max": E(0.5),  # not the tool token's e^8
+            "capped_fraction": 1 / 4,
+        }
+    )
+    empty = importance_weight_metrics(OLD_LOGPROBS, ROLLOUT_LOGPROBS, ~mask([[1] * 3] * 2), cap=1)
+    assert empty == {"weight_mean": 0.0, "weight_max": 0.0, "capped_fraction": 0.0}

@@ -1,5 +1,8 @@
 """From trajectories to an update: tensors aligned with the engine's tokens, the loss shares
-that add up to the full-batch loss across micro-batches, dynamic sampling, metrics."""
+that add up to the full-batch loss across micro-batches, the behaviour correction, staleness,
+dynamic sampling, infrastructure failures, metrics."""
+
+import math
 
 import pytest
 import torch
@@ -9,11 +12,14 @@ from trainer_svc.fsdp import Batch
 from trainer_svc.losses import policy_loss, value_loss
 from trainer_svc.rl_step import (
     accurate,
+    infra_failed,
     keep_groups_with_signal,
     make_loss_fn,
     make_value_loss_fn,
+    prepare_update,
     rollout_batch,
     rollout_metrics,
+    staleness_metrics,
     trainable,
 )
 from turnrl.trajectory import FinishReason, Segment, Trajectory
@@ -22,12 +28,13 @@ from turnrl.v1 import common_pb2
 
 
 def trajectory(group: str, reward: float, segments, acc: bool | None = None) -> Trajectory:
-    """A trajectory of (source, token ids, logprobs) segments, as the rollout service sends."""
+    """A trajectory of (source, token ids, logprobs[, policy_version]) segments, as the rollout
+    service sends."""
     result = Trajectory(
         trajectory_id=f"{group}/x",
         group_id=group,
         sample_index=0,
-        segments=[Segment(source, ids, logprobs) for source, ids, logprobs in segments],
+        segments=[Segment(*segment) for segment in segments],
         finish_reason=FinishReason.STOP,
         metrics={"tool_calls": 1.0, "tool_errors": 0.0},
         reward=common_pb2.Reward(score=reward),
@@ -61,6 +68,81 @@ def test_rollout_batch_keeps_the_engines_tokens_and_logprobs_in_place():
     assert rollouts.group_index.tolist() == [0, 1, 0]
 
 
+def test_rollout_batch_with_a_policy_version_holds_each_model_tokens_staleness():
+    # A partial rollout: its first turn by version 3, its second by version 5.
+    partial = [
+        (Source.PROMPT, [1, 2, 3], []),
+        (Source.MODEL, [4, 5], [-0.5, -0.25], 3),
+        (Source.TOOL, [6, 7, 8], []),
+        (Source.MODEL, [9], [-1.5], 5),
+    ]
+    fresh = [(Source.PROMPT, [1, 2], []), (Source.MODEL, [3], [-2.0], 5)]
+    trajectories = [trajectory("a", 1.0, partial), trajectory("b", 0.0, fresh)]
+    staleness = rollout_batch(trajectories, 0, policy_version=5).batch.extras["policy_staleness"]
+    assert staleness.tolist() == [[0, 0, 0, 2, 2, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0, 0]]
+    assert "policy_staleness" not in rollout_batch(trajectories, 0).batch.extras
+    with pytest.raises(ValueError, match="'a/x' has model tokens of policy_version 5, newer"):
+        rollout_batch(trajectories, 0, policy_version=4)
+
+
+def test_staleness_metrics_count_each_trajectory_by_its_oldest_model_token():
+    def by_versions(*versions: int) -> Trajectory:
+        segments = [(Source.PROMPT, [1], [])]
+        segments += [(Source.MODEL, [2], [-1.0], version) for version in versions]
+        return trajectory("g", 0.0, segments)
+
+    trajectories = [by_versions(7, 8), by_versions(8), by_versions(8), by_versions(5, 8)]
+    trajectories.append(trajectory("g", 0.0, [(Source.PROMPT, [1], [])]))  # no model tokens
+    # Staleness 1, 0, 0, 3 at version 8.
+    assert staleness_metrics(trajectories, policy_version=8) == {
+        "staleness/mean": 1.0,
+        "staleness/max": 3.0,
+        "staleness/0": 0.5,
+        "staleness/1": 0.25,
+        "staleness/3": 0.25,
+    }
+    assert staleness_metrics([], policy_version=8) == {"staleness/mean": 0.0, "staleness/max": 0.0}
+
+
+class FixedLogprobs:
+    """A stand-in policy whose logprobs, before the update, are given."""
+
+    def __init__(self, logprobs: torch.Tensor):
+        self._logprobs = logprobs
+
+    def logprobs(self, batch: Batch):
+        return self._logprobs, None
+
+
+def test_prepare_update_measures_weights_and_mismatch_per_staleness():
+    stale = [
+        (Source.PROMPT, [1], []),
+        (Source.MODEL, [2], [-1.5], 1),
+        (Source.TOOL, [3], []),
+        (Source.MODEL, [4], [-0.5], 3),
+    ]
+    fresh = [(Source.PROMPT, [1], []), (Source.MODEL, [2, 3], [-1.0, -1.25], 3)]
+    rollouts = rollout_batch(
+        [trajectory("g", 1.0, stale), trajectory("g", 0.0, fresh)], 0, policy_version=3
+    )
+    # Trainer - engine on model tokens: 0.5 (staleness 2); -0.5, 0, 0.25 (staleness 0).
+    old_logprobs = torch.tensor([[0.0, -1.0, 9.0, -1.0], [0.0, -1.0, -1.0, 0.0]])
+    metrics = prepare_update(
+        rollouts, FixedLogprobs(old_logprobs), None, None, AlgorithmConfig(importance_cap=1.5)
+    )
+    weights = [math.exp(0.5), math.exp(-0.5), 1.0, math.exp(0.25)]
+    assert metrics["is/weight_mean"] == pytest.approx(sum(weights) / 4)
+    assert metrics["is/weight_max"] == pytest.approx(math.exp(0.5))
+    assert metrics["is/capped_fraction"] == 0.25
+    assert metrics["mismatch/mean_abs_diff"] == pytest.approx(1.25 / 4)
+    assert metrics["mismatch/staleness_2/mean_abs_diff"] == pytest.approx(0.5)
+    assert metrics["mismatch/staleness_0/mean_abs_diff"] == pytest.approx(0.75 / 3)
+    # k3 of rollout - trainer = d: e^-d + d - 1.
+    k3 = [math.exp(-d) + d - 1 for d in (0.5, 0.0, -0.25)]
+    assert metrics["mismatch/staleness_0/kl_k3"] == pytest.approx(sum(k3) / 3)
+    assert not any("staleness_1" in name or "staleness_3" in name for name in metrics)
+
+
 def test_dynamic_sampling_keeps_groups_whose_rewards_differ():
     short = [(Source.PROMPT, [1], []), (Source.MODEL, [2], [-1.0])]
     batch = [
@@ -79,6 +161,53 @@ def test_trainable_needs_model_tokens_and_a_normal_end():
     aborted = trajectory("g", 0.0, TWO_TURNS)
     aborted.finish_reason = FinishReason.ABORTED
     assert not trainable(aborted) and trainable(trajectory("g", 0.0, TWO_TURNS))
+
+
+def infra_failures() -> list[Trajectory]:
+    """A failed scorer, and a tool call the tool service could not run."""
+    reward_failed = trajectory("g", 0.0, TWO_TURNS)
+    reward_failed.reward.error = True
+    tool_down = trajectory("g", 0.0, TWO_TURNS)
+    tool_down.metrics["tool_infra_errors"] = 1.0
+    return [reward_failed, tool_down]
+
+
+def test_infrastructure_failures_are_not_trainable():
+    model_tool_error = trajectory("g", 0.0, TWO_TURNS)  # the model's own bad call
+    model_tool_error.metrics.update({"tool_errors": 1.0, "tool_infra_errors": 0.0})
+    assert not infra_failed(model_tool_error) and trainable(model_tool_error)
+    for failed in infra_failures():
+        assert infra_failed(failed) and not trainable(failed)
+
+
+E = math.exp
+
+
+@pytest.mark.parametrize(
+    ("mode", "weights"),
+    [
+        ("none", [1.0, 1.0, 1.0, 1.0]),
+        ("truncate", [1.5, E(-0.5), 1.0, E(0.25)]),
+        ("mask", [0.0, E(-0.5), 1.0, E(0.25)]),
+        ("reject", [0.0, 0.0, 1.0, E(0.25)]),  # row 0 has a weight over the cap
+    ],
+)
+def test_loss_weights_each_token_per_the_importance_sampling_mode(mode, weights):
+    # Weights trainer/engine: e^0.5, e^-0.5 (row 0); 1, e^0.25 (row 1); the cap is 1.5.
+    batch = Batch.from_sequences(
+        [[1, 2, 3], [1, 2, 3]],
+        [[False, True, True], [False, True, True]],
+        {
+            "old_logprobs": [[0.0, -1.0, -1.0], [0.0, -1.0, -1.0]],
+            "rollout_logprobs": [[0.0, -1.5, -0.5], [0.0, -1.0, -1.25]],
+            "advantages": [[0.0, 1.0, 1.0], [0.0, 1.0, 1.0]],
+        },
+    )
+    batch.global_token_count, batch.global_sequence_count = 4, 2
+    algorithm = AlgorithmConfig(importance_sampling=mode, importance_cap=1.5)
+    # Ratio 1 and advantage 1: each token's loss is -weight; token-mean over all 4 tokens.
+    loss, _ = make_loss_fn(algorithm, normalizer=3)(batch, batch.extras["old_logprobs"], None)
+    assert float(loss) == pytest.approx(-sum(weights) / 4)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])

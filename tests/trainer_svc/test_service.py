@@ -66,7 +66,7 @@ class ScriptedLoop(RunLoop):
 
 @pytest.fixture
 def service(monkeypatch) -> TrainerService:
-    monkeypatch.setitem(service_module.LOOPS, "rl", ScriptedLoop)
+    monkeypatch.setitem(service_module.LOOPS, "sync", ScriptedLoop)
     return TrainerService(Ranks(), model_path="unused-model")
 
 

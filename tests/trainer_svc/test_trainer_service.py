@@ -6,13 +6,10 @@ import asyncio
 import json
 import math
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from transformers import AutoModelForCausalLM
 
 from turnrl import errors, rpc
@@ -23,66 +20,15 @@ from ..conftest import (
     EXAMPLE_CONFIG,
     FREE_PORTS,
     SERVICE_NAMES,
-    UP_TABLE_ROW,
     children,
     kill_tree,
     run_turnrl,
     serve_subprocess,
     spawn_turnrl,
 )
+from .runs import follow, run_config, run_to_end
 
 State = trainer_pb2.Run.State
-# A run small enough for a test: 2 prompts x 4 samples per step, 8 held-out prompts.
-SMALL_RUN = {
-    "steps": 2,
-    "eval_every": 1,
-    "checkpoint_every": 1,
-    "wandb_mode": "offline",
-    "data": {"generated_train_size": 64, "generated_eval_size": 8},
-    "rollout": {"prompts_per_step": 2, "samples_per_prompt": 4, "max_turns": 3},
-    "optim": {"learning_rate": 0.001},
-}
-
-
-@pytest.fixture(scope="module")
-def services(example_on_tiny_model, tmp_path_factory) -> dict[str, str]:
-    """`turnrl up` with the example config on free ports; yields each service's address."""
-    log = (tmp_path_factory.mktemp("up") / "up.log").open("w")
-    up = ["up", "--config", str(EXAMPLE_CONFIG), *FREE_PORTS, *example_on_tiny_model]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "turnrl_cli", *up],
-        stdout=subprocess.PIPE,
-        stderr=log,  # a file, so the services' logs never fill a pipe nobody reads
-        text=True,
-    )
-    addresses = {}
-    for line in process.stdout:
-        if match := UP_TABLE_ROW.search(line):
-            addresses[match.group(1)] = match.group(2)
-        if "Ctrl-C stops them" in line:
-            break
-    assert set(addresses) == set(SERVICE_NAMES), Path(log.name).read_text()[-3000:]
-    yield addresses
-    process.send_signal(signal.SIGINT)
-    process.wait(timeout=60)
-    log.close()
-
-
-def run_config(services: dict[str, str], output_dir: Path, **trainer) -> str:
-    """A whole-project config for StartRun, pointing the trainer at `services`."""
-    project = yaml.safe_load(EXAMPLE_CONFIG.read_text())
-    project["trainer"].update(SMALL_RUN)
-    project["trainer"].update(
-        output_dir=str(output_dir),
-        rollout_service={"address": services["rollout"]},
-        **trainer,
-    )
-    return yaml.safe_dump(project)
-
-
-async def follow(stub, run_name: str) -> list[trainer_pb2.StreamProgressResponse]:
-    request = trainer_pb2.StreamProgressRequest(run_name=run_name)
-    return [event async for event in stub.StreamProgress(request, timeout=600)]
 
 
 async def test_a_run_trains_evaluates_pushes_checkpoints_and_exports(services, tmp_path):
@@ -234,17 +180,6 @@ async def test_an_existing_run_is_not_overwritten(services, tmp_path):
         with pytest.raises(errors.AlreadyExistsError) as info:
             await stub.StartRun(trainer_pb2.StartRunRequest(config_yaml=config), timeout=30)
     assert "--resume" in info.value.details
-
-
-async def run_to_end(address: str, config: str, name: str) -> list:
-    """Runs `name` on the trainer service at `address` to its successful end; its events."""
-    async with rpc.open_channel(ClientConfig(address=address)) as channel:
-        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
-        await stub.StartRun(trainer_pb2.StartRunRequest(config_yaml=config), timeout=60)
-        events = await follow(stub, name)
-        run = (await stub.GetRun(trainer_pb2.GetRunRequest(run_name=name), timeout=10)).run
-    assert run.state == State.STATE_SUCCEEDED, run.error_message
-    return events
 
 
 async def test_a_two_rank_trainer_service_trains_as_one_rank_does(

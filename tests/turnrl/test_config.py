@@ -36,6 +36,29 @@ def test_example_config_loads():
     assert project.rollout.server.port == DEFAULT_PORTS["rollout"]
 
 
+def test_a_config_varies_its_base_file_key_by_key(tmp_path):
+    async_example = EXAMPLE_CONFIG.parent / "async.yaml"
+    project = load_project_config(async_example, ["trainer.async_loop.max_staleness=4"])
+    base = load_project_config(EXAMPLE_CONFIG)
+    assert project.trainer.loop == "async" and project.trainer.async_loop.max_staleness == 4
+    assert project.trainer.algorithm.importance_sampling == "truncate"
+    # What async.yaml leaves out is the base file's, down to keys beside those it sets.
+    assert project.trainer.algorithm.mini_batches == base.trainer.algorithm.mini_batches == 2
+    assert project.trainer.rollout == base.trainer.rollout and project.tool == base.tool
+    assert project.trainer.run_name == "calculator-async"
+
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match="cycle of config files"):
+        load_project_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("base: missing.yaml\n")
+    with pytest.raises(ConfigError, match="cannot read config file .*missing.yaml"):
+        load_project_config(tmp_path / "c.yaml")
+    (tmp_path / "d.yaml").write_text("base: [a.yaml]\n")
+    with pytest.raises(ConfigError, match="must name a config file"):
+        load_project_config(tmp_path / "d.yaml")
+
+
 def test_override_sets_typed_values():
     project = load_project_config(
         EXAMPLE_CONFIG, ["tool.server.port=0", "trainer.server.shutdown_grace_seconds=2.5"]
