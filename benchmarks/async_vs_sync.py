@@ -68,30 +68,30 @@ from turnrl_demo.tiny_model import build_tiny_model
 
 EXAMPLE = REPO_ROOT / "examples" / "calculator" / "config.yaml"
 UP_TABLE_ROW = re.compile(r"(tool|reward|rollout|trainer)\s*│\s*(127\.0\.0\.1:\d+)\s*│\s*(\d+)")
+
+
+def async_variant(
+    max_staleness: int, correction: str = "truncate", generate_while_training: bool = False
+) -> dict[str, Any]:
+    """The trainer overrides of an async run."""
+    return {
+        "loop": "async",
+        "async_loop": {
+            "max_staleness": max_staleness,
+            "generate_while_training": generate_while_training,
+        },
+        "algorithm": {"importance_sampling": correction},
+    }
+
+
 # On 2 shared cores the engine pauses while the trainer trains (only tool waits overlap
 # training), except in async_eta4_overlap, which shows what generating meanwhile costs here.
 VARIANTS = {
     "sync": {"loop": "sync"},
-    "async_eta1": {
-        "loop": "async",
-        "async_loop": {"max_staleness": 1, "generate_while_training": False},
-        "algorithm": {"importance_sampling": "truncate"},
-    },
-    "async_eta4": {
-        "loop": "async",
-        "async_loop": {"max_staleness": 4, "generate_while_training": False},
-        "algorithm": {"importance_sampling": "truncate"},
-    },
-    "async_eta4_none": {
-        "loop": "async",
-        "async_loop": {"max_staleness": 4, "generate_while_training": False},
-        "algorithm": {"importance_sampling": "none"},
-    },
-    "async_eta4_overlap": {
-        "loop": "async",
-        "async_loop": {"max_staleness": 4, "generate_while_training": True},
-        "algorithm": {"importance_sampling": "truncate"},
-    },
+    "async_eta1": async_variant(1),
+    "async_eta4": async_variant(4),
+    "async_eta4_none": async_variant(4, correction="none"),
+    "async_eta4_overlap": async_variant(4, generate_while_training=True),
 }
 RAW_BROADCASTS = 9
 

@@ -337,6 +337,12 @@ class TrainerConfig(StrictModel):
         "share of every batch. A run must ask for the number its service runs.",
     )
     run_name: str = Field(default="calculator", min_length=1, description="Name of the run.")
+    mode: Literal["rl", "sft"] = Field(
+        default="rl",
+        description="rl: the RL loop (trainer.loop), through the rollout, tool and reward "
+        "services. sft: supervised fine-tuning on written conversations (trainer.sft), in this service alone: "
+        "rollout_service, rollout, algorithm and weight_sync are not used.",
+    )
     loop: Literal["sync", "async"] = Field(
         default="sync",
         description="RL only. sync: roll out a batch, train, push, repeat. async: keep the "
@@ -345,12 +351,6 @@ class TrainerConfig(StrictModel):
     )
     async_loop: AsyncLoopConfig = Field(
         default_factory=AsyncLoopConfig, description="The async loop (loop: async)."
-    )
-    mode: Literal["rl", "sft"] = Field(
-        default="rl",
-        description="rl: the RL loop (trainer.loop), through the rollout, tool and reward services. sft: "
-        "supervised fine-tuning on written conversations (trainer.sft), in this service alone: "
-        "rollout_service, rollout, algorithm and weight_sync are not used.",
     )
     output_dir: Path = Field(
         default=Path("runs"), description="Runs are written to <output_dir>/<run name>/."

@@ -52,7 +52,7 @@ def test_a_config_varies_its_base_file_key_by_key(tmp_path):
     with pytest.raises(ConfigError, match="cycle of config files"):
         load_project_config(tmp_path / "a.yaml")
     (tmp_path / "c.yaml").write_text("base: missing.yaml\n")
-    with pytest.raises(ConfigError, match="cannot read config file .*missing.yaml"):
+    with pytest.raises(ConfigError, match=r"cannot read config file .*missing\.yaml"):
         load_project_config(tmp_path / "c.yaml")
     (tmp_path / "d.yaml").write_text("base: [a.yaml]\n")
     with pytest.raises(ConfigError, match="must name a config file"):
