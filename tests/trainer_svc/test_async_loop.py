@@ -1,6 +1,7 @@
 """The async loop end to end: runs through the four real services with `trainer.loop: async`,
-the staleness bound and the version each token carries, and `turnrl run` killed with kill -9
-mid-run and resumed, with the prompt ledger showing every prompt of the epoch trained once."""
+the staleness bound and the version each token carries, and `turnrl run` of
+examples/calculator/async.yaml killed with kill -9 mid-run and resumed, with the prompt ledger
+showing every prompt of the epoch trained once."""
 
 import asyncio
 import json
@@ -10,6 +11,8 @@ from trainer_svc.ledger import PromptLedger
 
 from ..conftest import EXAMPLE_CONFIG, FREE_PORTS, kill_tree, spawn_turnrl
 from .runs import run_config, run_to_end
+
+ASYNC_EXAMPLE = EXAMPLE_CONFIG.parent / "async.yaml"
 
 
 def step_records(run_dir: Path) -> list[dict]:
@@ -64,13 +67,11 @@ async def test_an_async_run_killed_mid_step_and_resumed_trains_every_prompt_once
     run = [
         "run",
         "--config",
-        str(EXAMPLE_CONFIG),
+        str(ASYNC_EXAMPLE),  # η = 1, the engine paused while the trainer trains
         *FREE_PORTS,
         *example_on_tiny_model,
         f"trainer.output_dir={tmp_path}",
         "trainer.run_name=ledger",
-        "trainer.loop=async",
-        "trainer.async_loop.max_staleness=1",
         "trainer.steps=4",
         "trainer.eval_every=0",
         "trainer.checkpoint_every=1",
