@@ -330,6 +330,10 @@ class HfEngine:
         self._apply_aborts(abort_ids)
         for command, future, loop in commands:
             self._outbox.append((loop, future, _outcome_of(command)))
+        if commands:
+            # Answered before this iteration's compute: a Resume after a weight load would
+            # otherwise wait for the re-prefill of the whole batch.
+            self._flush()
         if closing:
             self._finish_all(FinishReason.ABORT)
         elif not self._paused:
