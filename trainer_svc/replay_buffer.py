@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from trainer_svc.data import PromptRecord
 from trainer_svc.ledger import prompt_key
 from trainer_svc.rl_step import keep_groups_with_signal, trainable
-from turnrl.trajectory import SegmentSource, Trajectory
+from turnrl.trajectory import Trajectory
 
 
 @dataclass
@@ -33,12 +33,7 @@ class Group:
 
     def oldest_version(self) -> int:
         """The oldest policy version among the group's model tokens."""
-        return min(
-            segment.policy_version
-            for trajectory in self.trajectories
-            for segment in trajectory.segments
-            if segment.source is SegmentSource.MODEL
-        )
+        return min(version for t in self.trajectories for version in t.policy_versions)
 
 
 class Admission(enum.Enum):

@@ -72,7 +72,7 @@ def rollout_batch(
 
 def _token_staleness(trajectory: Trajectory, policy_version: int) -> list[float]:
     """policy_version - the token's policy version on model tokens, 0 on the others."""
-    newest = max(_model_policy_versions(trajectory), default=policy_version)
+    newest = max(trajectory.policy_versions, default=policy_version)
     if newest > policy_version:
         raise ValueError(
             f"trajectory {trajectory.trajectory_id!r} has model tokens of policy_version "
@@ -87,10 +87,6 @@ def _token_staleness(trajectory: Trajectory, policy_version: int) -> list[float]
     ]
 
 
-def _model_policy_versions(trajectory: Trajectory) -> list[int]:
-    return [s.policy_version for s in trajectory.segments if s.source is SegmentSource.MODEL]
-
-
 def staleness_metrics(trajectories: list[Trajectory], policy_version: int) -> dict[str, float]:
     """How far behind `policy_version` the trajectories were generated: a trajectory's
     staleness is policy_version - the oldest policy version among its model tokens (a partial
@@ -99,7 +95,7 @@ def staleness_metrics(trajectories: list[Trajectory], policy_version: int) -> di
     model tokens are left out; none left gives mean and max 0."""
     staleness = [
         policy_version - min(versions)
-        for versions in map(_model_policy_versions, trajectories)
+        for versions in (t.policy_versions for t in trajectories)
         if versions
     ]
     count = max(len(staleness), 1)

@@ -126,6 +126,12 @@ class Trajectory:
         ]
 
     @property
+    def policy_versions(self) -> list[int]:
+        """The policy version of each model segment, in order (a generation a weight push
+        paused spans two)."""
+        return [s.policy_version for s in self.segments if s.source is SegmentSource.MODEL]
+
+    @property
     def prompt_length(self) -> int:
         return sum(len(s.token_ids) for s in self.segments if s.source is SegmentSource.PROMPT)
 
