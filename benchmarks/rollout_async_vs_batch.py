@@ -50,6 +50,7 @@ from rollout_svc.engines.base import GenerateOutput, SamplingParams
 from rollout_svc.engines.hf import HfEngine, HfEngineOptions
 from rollout_svc.parsers import PARSERS
 from rollout_svc.service import RolloutService
+from rollout_svc.tool_client import ToolClient
 from rollout_svc.tool_schemas import ToolSchemas
 from tool_svc.config import ToolConfig, ToolLimits
 from tool_svc.server import ToolServicer
@@ -232,7 +233,7 @@ class Rollouts:
 
     engine: HfEngine
     tokenizer: Any
-    tool_stub: tool_pb2_grpc.ToolServiceStub
+    tool_client: ToolClient
     tool_options: SlowCalculatorOptions
     sampling: SamplingParams
     limits: RolloutLimits
@@ -244,13 +245,13 @@ class Rollouts:
             tokenizer=self.tokenizer,
             chat_template=None,
             parser=PARSERS["hermes"],
-            tool_stub=self.tool_stub,
-            reward_stub=None,
+            tool_client=self.tool_client,
+            reward_replicas=None,
             interactions={},
             tool_call_timeout_seconds=60.0,
         )
         config = RolloutConfig(max_concurrent_trajectories=size)
-        return RolloutService(config, engine, loop, ToolSchemas(self.tool_stub), channels=[])
+        return RolloutService(config, engine, loop, ToolSchemas(self.tool_client))
 
     async def run(
         self, service: RolloutService, prompts: list[PromptSpec]
@@ -387,14 +388,11 @@ async def main() -> None:
     )
     draws = []
     try:
-        async with (
-            slow_tool_service() as (tool_address, tool_options),
-            rpc.open_channel(ClientConfig(address=tool_address)) as channel,
-        ):
+        async with slow_tool_service() as (tool_address, tool_options):
             rollouts = Rollouts(
                 engine=engine,
                 tokenizer=tokenizer,
-                tool_stub=tool_pb2_grpc.ToolServiceStub(channel),
+                tool_client=ToolClient(ClientConfig(address=tool_address)),
                 tool_options=tool_options,
                 sampling=SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0),
                 limits=RolloutLimits(
@@ -404,13 +402,16 @@ async def main() -> None:
                     max_turns=args.max_turns,
                 ),
             )
-            # Warm-up: the first forward passes and chat-template renders are slow.
-            await rollouts.run(
-                rollouts.service(ClockedEngine(engine), 1), calculator_prompts(1, -1)
-            )
-            for draw in range(args.draws):
-                prompts = calculator_prompts(args.prompts, draw)
-                draws.append(await rollouts.compare_modes(prompts, args.alone))
+            try:
+                # Warm-up: the first forward passes and chat-template renders are slow.
+                await rollouts.run(
+                    rollouts.service(ClockedEngine(engine), 1), calculator_prompts(1, -1)
+                )
+                for draw in range(args.draws):
+                    prompts = calculator_prompts(args.prompts, draw)
+                    draws.append(await rollouts.compare_modes(prompts, args.alone))
+            finally:
+                await rollouts.tool_client.close()
     finally:
         await engine.close()
     decode_prompts = await asyncio.to_thread(

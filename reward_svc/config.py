@@ -47,6 +47,12 @@ class RewardConfig(StrictModel):
         default_factory=lambda: ServerConfig(port=DEFAULT_PORTS["reward"]),
         description="Where and how the reward service listens.",
     )
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        description="Copies of this service `turnrl up`/`run` start (as local processes or Ray "
+        "actors); its callers spread their calls over them (the rollout service, by calls in flight).",
+    )
     workers: int = Field(
         default=2, ge=1, description="Scorer worker processes (rule scorers and plugins run there)."
     )

@@ -30,11 +30,13 @@ from rollout_svc.engines.base import Engine, SamplingParams
 from rollout_svc.engines.base import FinishReason as EngineFinish
 from rollout_svc.interactions.base import Interaction
 from rollout_svc.parsers import ParsedTurn
+from rollout_svc.tool_client import ToolClient
 from turnrl.chat_tokens import ConversationTokens
 from turnrl.errors import RpcError
 from turnrl.messages import dict_to_message
+from turnrl.replicas import ReplicaSet
 from turnrl.trajectory import FinishReason, Segment, SegmentSource, Trajectory, TurnMetrics
-from turnrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, tool_pb2, tool_pb2_grpc
+from turnrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, tool_pb2
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +91,8 @@ class AgentLoop:
     tokenizer: Any
     chat_template: str | None
     parser: Callable[[str], ParsedTurn]  # a function of rollout_svc.parsers.PARSERS
-    tool_stub: tool_pb2_grpc.ToolServiceStub
-    reward_stub: reward_pb2_grpc.RewardServiceStub
+    tool_client: ToolClient
+    reward_replicas: ReplicaSet[reward_pb2_grpc.RewardServiceStub]
     interactions: dict[str, Interaction]
     tool_call_timeout_seconds: float
     reward_timeout_seconds: float = 120.0
@@ -148,9 +150,11 @@ class AgentLoop:
             json_format.ParseDict(prompt.ground_truth, scoring_input.ground_truth)
         scoring_input.extra_info.update(prompt.extra_info)
         try:
-            reply = await self.reward_stub.Score(
-                reward_pb2.ScoreRequest(input=scoring_input), timeout=self.reward_timeout_seconds
-            )
+            with self.reward_replicas.call() as replica:
+                reply = await replica.stub.Score(
+                    reward_pb2.ScoreRequest(input=scoring_input),
+                    timeout=self.reward_timeout_seconds,
+                )
         except RpcError as e:
             message = f"reward service: {e.status}: {e.details}"
             return common_pb2.Reward(error=True, error_message=message)
@@ -336,13 +340,11 @@ class _Run:
     async def _call_tool(self, name: str, arguments: str) -> tuple[str, bool, bool]:
         """The observation text of one call, whether it failed, and whether it failed because
         the tool service could not run it (not the model's doing)."""
-        stub = self.loop.tool_stub
-        timeout = self.loop.tool_call_timeout_seconds
         try:
             session_id = await self._tool_session(name)
-            reply = await stub.Execute(
+            reply = await self.loop.tool_client.execute(
                 tool_pb2.ExecuteRequest(tool_name=name, arguments=arguments, session_id=session_id),
-                timeout=timeout,
+                timeout_seconds=self.loop.tool_call_timeout_seconds,
             )
         except RpcError as e:
             text = f"Error: the tool service could not run {name!r}: {e.status}: {e.details}"
@@ -369,8 +371,8 @@ class _Run:
         kwargs = kwargs.get("create_kwargs", kwargs) if isinstance(kwargs, dict) else {}
         request = tool_pb2.CreateSessionRequest(tool_name=name)
         request.session_kwargs.update(kwargs)
-        reply = await self.loop.tool_stub.CreateSession(
-            request, timeout=self.loop.tool_call_timeout_seconds
+        reply = await self.loop.tool_client.create_session(
+            request, timeout_seconds=self.loop.tool_call_timeout_seconds
         )
         self.tool_sessions[name] = reply.session_id
         return reply.session_id
@@ -433,9 +435,9 @@ class _Run:
         """Releases the tool sessions, the interaction state and the engine's session cache."""
         for session_id in self.tool_sessions.values():
             try:
-                await self.loop.tool_stub.ReleaseSession(
+                await self.loop.tool_client.release_session(
                     tool_pb2.ReleaseSessionRequest(session_id=session_id),
-                    timeout=self.loop.tool_call_timeout_seconds,
+                    timeout_seconds=self.loop.tool_call_timeout_seconds,
                 )
             except RpcError as e:
                 log.warning("releasing tool session %s failed: %s", session_id, e)

@@ -29,6 +29,12 @@ class RolloutConfig(StrictModel):
         default_factory=lambda: ServerConfig(port=DEFAULT_PORTS["rollout"]),
         description="Where and how the rollout service listens.",
     )
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        description="Copies of this service `turnrl up`/`run` start (as local processes or Ray "
+        "actors); its callers spread their calls over them (the trainer's rollout router, by load).",
+    )
     engine: Literal["hf", "sglang"] = Field(
         default="hf", description="Inference engine: hf (transformers, CPU) or sglang (GPU)."
     )

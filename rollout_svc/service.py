@@ -27,12 +27,13 @@ from rollout_svc.engines.base import Engine, SamplingParams
 from rollout_svc.interactions import INTERACTIONS
 from rollout_svc.interactions.base import Interaction
 from rollout_svc.parsers import PARSERS
+from rollout_svc.tool_client import ToolClient
 from rollout_svc.tool_schemas import ToolSchemas
 from rollout_svc.weight_sync import ChunkAssembler, WeightReceiver
-from turnrl import rpc
 from turnrl.errors import ConfigError, FailedPreconditionError, InvalidArgumentError
+from turnrl.replicas import ReplicaSet
 from turnrl.trajectory import Trajectory
-from turnrl.v1 import reward_pb2_grpc, tool_pb2_grpc
+from turnrl.v1 import reward_pb2_grpc
 from turnrl.weights import TensorMeta
 
 log = logging.getLogger(__name__)
@@ -47,13 +48,11 @@ class RolloutService:
         engine: Engine,
         loop: AgentLoop,
         tool_schemas: ToolSchemas,
-        channels: list[Any],
     ) -> None:
         self._config = config
         self._engine = engine
         self._loop = loop
         self._tool_schemas = tool_schemas
-        self._channels = channels
         self._slots = asyncio.Semaphore(config.max_concurrent_trajectories)
         self._running: dict[str, set[asyncio.Task]] = {}
         self._request_ids = itertools.count()
@@ -91,20 +90,18 @@ class RolloutService:
         )
         interactions = {entry.name: _build_interaction(entry) for entry in config.interactions}
         engine = await engine_class.create(options, model_path, config.max_model_len)
-        tool_channel = rpc.open_channel(config.tool_service)
-        reward_channel = rpc.open_channel(config.reward_service)
-        tool_stub = tool_pb2_grpc.ToolServiceStub(tool_channel)
+        tool_client = ToolClient(config.tool_service)
         loop = AgentLoop(
             engine=engine,
             tokenizer=tokenizer,
             chat_template=chat_template,
             parser=PARSERS[config.tool_parser],
-            tool_stub=tool_stub,
-            reward_stub=reward_pb2_grpc.RewardServiceStub(reward_channel),
+            tool_client=tool_client,
+            reward_replicas=ReplicaSet(config.reward_service, reward_pb2_grpc.RewardServiceStub),
             interactions=interactions,
             tool_call_timeout_seconds=config.tool_call_timeout_seconds,
         )
-        return cls(config, engine, loop, ToolSchemas(tool_stub), [tool_channel, reward_channel])
+        return cls(config, engine, loop, ToolSchemas(tool_client))
 
     def limits(
         self, max_model_len: int, max_response_length: int, max_new_tokens: int, max_turns: int
@@ -290,8 +287,8 @@ class RolloutService:
         await self._engine.close()
         for interaction in self._loop.interactions.values():
             await interaction.close()
-        for channel in self._channels:
-            await channel.close()
+        await self._loop.tool_client.close()
+        await self._loop.reward_replicas.close()
 
     def _check_version(self, policy_version: int) -> None:
         if policy_version <= self._engine.policy_version:

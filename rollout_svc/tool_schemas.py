@@ -10,8 +10,9 @@ import asyncio
 import json
 from typing import Any
 
+from rollout_svc.tool_client import ToolClient
 from turnrl.errors import InvalidArgumentError
-from turnrl.v1 import common_pb2, tool_pb2, tool_pb2_grpc
+from turnrl.v1 import common_pb2, tool_pb2
 
 LIST_TOOLS_TIMEOUT_SECONDS = 30.0
 
@@ -19,8 +20,8 @@ LIST_TOOLS_TIMEOUT_SECONDS = 30.0
 class ToolSchemas:
     """OpenAI tool schemas by tool name, as the tool service serves them."""
 
-    def __init__(self, stub: tool_pb2_grpc.ToolServiceStub) -> None:
-        self._stub = stub
+    def __init__(self, tool_client: ToolClient) -> None:
+        self._tool_client = tool_client
         self._schemas: dict[str, dict[str, Any]] = {}
         self._refresh_lock = asyncio.Lock()
 
@@ -41,8 +42,8 @@ class ToolSchemas:
         return [self._schemas[name] for name in names]
 
     async def _refresh(self) -> None:
-        reply = await self._stub.ListTools(
-            tool_pb2.ListToolsRequest(), timeout=LIST_TOOLS_TIMEOUT_SECONDS
+        reply = await self._tool_client.list_tools(
+            tool_pb2.ListToolsRequest(), timeout_seconds=LIST_TOOLS_TIMEOUT_SECONDS
         )
         self._schemas = {info.schema.name: _openai_schema(info.schema) for info in reply.tools}
 

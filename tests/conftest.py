@@ -27,8 +27,10 @@ EXAMPLE_CONFIG = REPO_ROOT / "examples" / "calculator" / "config.yaml"
 
 # Overrides that put every service on a free port.
 FREE_PORTS = [f"{name}.server.port=0" for name in SERVICE_NAMES]
-# A row of `turnrl up`'s address table: service, address, pid.
-UP_TABLE_ROW = re.compile(r"(tool|reward|rollout|trainer)\s*│\s*(127\.0\.0\.1:\d+)\s*│\s*(\d+)")
+# A row of `turnrl up`'s address table: service (with #replica after the first), address, pid.
+UP_TABLE_ROW = re.compile(
+    r"((?:tool|reward|rollout|trainer)(?:#\d+)?)\s*│\s*(127\.0\.0\.1:\d+)\s*│\s*pid (\d+)"
+)
 STARTUP_TIMEOUT_SECONDS = 60.0
 
 

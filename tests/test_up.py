@@ -3,6 +3,7 @@
 import asyncio
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +43,35 @@ async def test_up_check_starts_checks_and_stops_all_four(example_on_tiny_model):
     assert "check passed" in stdout
     for name in SERVICE_NAMES:
         assert f"turnrl.v1.{name.capitalize()}Service" in stdout
+    assert not any(pid_alive(pid) for _, pid in rows.values())
+
+
+async def test_up_starts_each_replica_and_points_the_rollout_replicas_at_all_peers(
+    example_on_tiny_model,
+):
+    replicas = ["tool.replicas=2", "rollout.replicas=2"]
+    process = await spawn_turnrl(
+        "up", "--config", str(EXAMPLE_CONFIG), *FREE_PORTS, *SHORT_GRACE, *example_on_tiny_model,
+        *replicas,
+    )  # fmt: skip
+    rows: dict[str, tuple[str, int]] = {}
+    try:
+        async with asyncio.timeout(120):
+            async for raw in process.stdout:
+                if match := UP_TABLE_ROW.search(line := raw.decode()):
+                    rows[match.group(1)] = (match.group(2), int(match.group(3)))
+                if "Ctrl-C stops them" in line:
+                    break
+        assert set(rows) == {"tool", "tool#1", "reward", "rollout", "rollout#1", "trainer"}
+        assert len({address for address, _ in rows.values()}) == 6
+        tools = f"rollout.tool_service.address={rows['tool'][0]},{rows['tool#1'][0]}"
+        for rollout in ("rollout", "rollout#1"):
+            command = Path(f"/proc/{rows[rollout][1]}/cmdline").read_bytes().split(b"\0")  # noqa: ASYNC240
+            assert tools.encode() in command
+    finally:
+        process.send_signal(signal.SIGINT)
+        await process.communicate()
+    assert process.returncode == 0
     assert not any(pid_alive(pid) for _, pid in rows.values())
 
 

@@ -10,21 +10,32 @@ from turnrl.config import DEFAULT_PORTS, ServerConfig, StrictModel
 
 
 class ToolLimits(StrictModel):
-    """Limits of one tool, service-wide: they hold across every caller at once."""
+    """Limits of one tool: they hold across every caller at once. The rate limit holds for the
+    whole service, its replicas together (`ToolConfig.replicas`); the concurrency cap and the
+    queue hold for each replica, as they protect the machine it runs on."""
 
     max_concurrency: int = Field(
-        default=16, ge=0, description="Calls of this tool running at once; 0: unlimited."
+        default=16,
+        ge=0,
+        description="Calls of this tool running at once on each replica; 0: unlimited.",
     )
     max_queue: int = Field(
         default=1024,
         ge=0,
-        description="Calls waiting for a free slot; one more is refused with RESOURCE_EXHAUSTED.",
+        description="Calls waiting for a free slot on each replica; one more is refused with "
+        "RESOURCE_EXHAUSTED.",
     )
     rate_limit_per_second: float = Field(
-        default=0.0, ge=0, description="Sustained calls started per second; 0: unlimited."
+        default=0.0,
+        ge=0,
+        description="Sustained calls started per second by the whole service (each replica "
+        "allows its even share); 0: unlimited.",
     )
     rate_limit_burst: int = Field(
-        default=1, ge=1, description="Calls that may start at once before the rate applies."
+        default=1,
+        ge=1,
+        description="Calls the whole service may start at once before the rate applies (each "
+        "replica allows its even share, at least 1).",
     )
     max_rate_wait_seconds: float = Field(
         default=1.0,
@@ -83,6 +94,13 @@ class ToolConfig(StrictModel):
     )
     default_limits: ToolLimits = Field(
         default_factory=ToolLimits, description="Limits of tools that set none."
+    )
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        description="Replicas of this service a launcher starts, all with this config. Each "
+        "enforces rate_limit_per_second / replicas (and rate_limit_burst likewise, at least 1), "
+        "so that a rate limit holds for the whole service.",
     )
     session_ttl_seconds: float = Field(
         default=600.0, gt=0, description="Idle time after which a session is released, in seconds."

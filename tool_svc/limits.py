@@ -14,6 +14,22 @@ class RateLimitedError(Exception):
     """No rate-limit token within the allowed wait; the model sees a RATE_LIMITED error."""
 
 
+def replica_share(limits: ToolLimits, replicas: int) -> ToolLimits:
+    """The limits one of `replicas` replicas of the tool service enforces: an even split of
+    the rate limit and its burst (at least 1), so that the configured rate holds for the
+    whole service. An even split keeps a shared limiter off the call path; while a replica is
+    down its share goes unused (the service runs below the rate, never above it). The concurrency
+    cap and the queue stay whole: they protect the replica's own machine."""
+    if replicas == 1:
+        return limits
+    return limits.model_copy(
+        update={
+            "rate_limit_per_second": limits.rate_limit_per_second / replicas,
+            "rate_limit_burst": max(1, limits.rate_limit_burst // replicas),
+        }
+    )
+
+
 class TokenBucket:
     """`rate` tokens per second, up to `burst` saved. A caller reserves a token and waits for
     it; reservations may drive the balance below zero, which orders waiters fairly."""

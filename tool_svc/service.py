@@ -20,7 +20,7 @@ import yaml
 from pydantic import ValidationError
 
 from tool_svc.config import ToolConfig, ToolEntry, ToolLimits
-from tool_svc.limits import RateLimitedError, ToolLimiter
+from tool_svc.limits import RateLimitedError, ToolLimiter, replica_share
 from tool_svc.metrics import ToolMetrics
 from tool_svc.tools import TOOLS
 from tool_svc.tools.base import Tool, ToolCallError, ToolErrorKind, ToolResult
@@ -69,7 +69,10 @@ class ToolService:
         self._config = config
         self._tools = tools
         self._limits = limits
-        self._limiters = {name: ToolLimiter(name, limits) for name, limits in self._limits.items()}
+        self._limiters = {
+            name: ToolLimiter(name, replica_share(limits, config.replicas))
+            for name, limits in self._limits.items()
+        }
         self._sessions: dict[str, Session] = {}
         self._expiry_changed = asyncio.Event()  # wakes the reaper to recompute its next expiry
         self.metrics = ToolMetrics()

@@ -35,7 +35,6 @@ from trainer_svc.replay_buffer import Admission, Group, ReplayBuffer
 from trainer_svc.rl_step import RolloutBatch, infra_failed
 from trainer_svc.weight_push import CONTROL_TIMEOUT_SECONDS, PushResult
 from turnrl.trajectory import Trajectory
-from turnrl.v1 import rollout_pb2
 
 # What each step reports of the groups and trajectories since the step before.
 COUNTED = (
@@ -90,7 +89,7 @@ class AsyncController(Controller):
     async def _train(self, rollouts: RolloutBatch, metrics: dict[str, float]) -> None:
         if not self.config.async_loop.generate_while_training:
             # Tool calls and scoring go on; the engine waits for the push, which resumes it.
-            await self.rollout.Pause(rollout_pb2.PauseRequest(), timeout=CONTROL_TIMEOUT_SECONDS)
+            await self.router.pause(timeout_seconds=CONTROL_TIMEOUT_SECONDS)
         await super()._train(rollouts, metrics)
 
     async def _push(self) -> PushResult:
@@ -128,10 +127,9 @@ class AsyncController(Controller):
             [group.record], [group.key], f"{self._calls}/g{group.key}", training=True
         )
         try:
-            replies = self.rollout.Generate(request, timeout=self.config.rollout.timeout_seconds)
-            group.trajectories = [
-                Trajectory.from_proto(reply.trajectory) async for reply in replies
-            ]
+            group.trajectories = await self.router.generate(
+                request, timeout_seconds=self.config.rollout.timeout_seconds
+            )
         except Exception as e:  # the rollout service failed; the next step reports it
             self._failure = self._failure or e
         else:

@@ -252,7 +252,9 @@ class WeightSyncConfig(StrictModel):
     )
     backend: Literal["gloo", "nccl"] = Field(default="gloo", description="Group backend.")
     master_address: str = Field(
-        default="127.0.0.1", description="Address the engines reach this trainer's rank 0 at."
+        default="127.0.0.1",
+        description="Address the engines reach this trainer's rank 0 at; the Ray launcher "
+        "sets the node's address.",
     )
     bucket_size_mb: int = Field(default=100, gt=0, description="Broadcast bucket size, in MiB.")
     timeout_seconds: float = Field(default=120.0, gt=0, description="Group set-up deadline.")
@@ -378,7 +380,9 @@ class TrainerConfig(StrictModel):
     seed: int = Field(default=0, description="Seeds data order and sampling.")
     rollout_service: ClientConfig = Field(
         default_factory=lambda: ClientConfig(address=f"127.0.0.1:{DEFAULT_PORTS['rollout']}"),
-        description="The rollout service; `turnrl up`/`run` fill in the one they started.",
+        description="The rollout service: one address, or its replicas' comma-separated, over "
+        "which the trainer's router spreads prompt groups by load (trainer_svc/rollout_router.py); "
+        "`turnrl up`/`run` fill in the ones they started.",
     )
     data: DataConfig = Field(
         default_factory=DataConfig, description="Training and eval prompts or conversations."

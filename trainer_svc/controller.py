@@ -38,11 +38,17 @@ from trainer_svc.rl_step import (
     staleness_metrics,
     trainable,
 )
+from trainer_svc.rollout_router import (
+    REPLICA_LOST_STATUSES,
+    RolloutReplica,
+    RolloutRouter,
+    engine_metrics,
+)
 from trainer_svc.run_loop import FINAL_MODEL, ProgressEvent, RunLoop
 from trainer_svc.weight_push import PushResult, WeightPusher
-from turnrl import rpc
+from turnrl import errors
 from turnrl.trajectory import Trajectory
-from turnrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from turnrl.v1 import common_pb2, rollout_pb2
 
 logger = logging.getLogger(__name__)
 MIB = 1024 * 1024
@@ -65,23 +71,19 @@ class Controller(RunLoop):
         if state is not None:
             self._resume_from(state)
         self._open_report(state is not None, REWARD_PLOT)
-        async with rpc.open_channel(config.rollout_service) as rollout_channel:
-            self.rollout = rollout_pb2_grpc.RolloutServiceStub(rollout_channel)
-            self.pusher = await WeightPusher.connect(
-                [self.rollout],
-                backend=config.weight_sync.backend,
-                master_address=config.weight_sync.master_address,
-                group_name=f"turnrl-{self.run_dir.name}",
-                timeout_seconds=config.weight_sync.timeout_seconds,
-                mode=config.weight_sync.mode,
-            )
-            self._policy_version = 0  # the last weight version pushed
-            try:
-                await self._push()
-                self.emit(ProgressEvent(self.step, "setup", message=f"model {model_path}"))
-                await self._train_to_end()
-            finally:
+        self.router = RolloutRouter(config.rollout_service)
+        self.pusher: WeightPusher | None = None
+        self._push_members: list[str] = []  # the addresses of the pusher's group
+        self._pusher_groups = 0  # weight-sync groups formed in this run
+        self._policy_version = 0  # the last weight version pushed
+        try:
+            await self._push()
+            self.emit(ProgressEvent(self.step, "setup", message=f"model {model_path}"))
+            await self._train_to_end()
+        finally:
+            if self.pusher is not None:
                 self.pusher.close()
+            await self.router.close()
         return await self._finish(model_path, started)
 
     def _resume_from(self, state: dict[str, Any]) -> None:
@@ -106,8 +108,9 @@ class Controller(RunLoop):
         self.emit(ProgressEvent(self.step, "push", {"time/push": metrics["time/push"]}))
         # The engine's own gauges and running totals (busy seconds, tokens, cache hits), as
         # the rollout service reports them.
-        stats = await self.rollout.GetStats(rollout_pb2.GetStatsRequest(), timeout=30)
-        metrics.update({f"engine/{name}": value for name, value in stats.metrics.items()})
+        metrics.update(engine_metrics(await self.router.stats()))
+        metrics["router/live_replicas"] = float(len(self.router.live()))
+        metrics["router/redispatched_groups"] = float(self.router.redispatched_groups)
         self.report.log(self.step, metrics)
         await self._evaluate_and_checkpoint_when_due()
 
@@ -178,11 +181,10 @@ class Controller(RunLoop):
     ) -> list[Trajectory]:
         """The trajectories of `records` (their groups named `prompt_ids`, unique in the call),
         in trajectory id order."""
-        replies = self.rollout.Generate(
+        trajectories = await self.router.generate(
             self._generate_request(records, prompt_ids, tag, training=training),
-            timeout=self.config.rollout.timeout_seconds,
+            timeout_seconds=self.config.rollout.timeout_seconds,
         )
-        trajectories = [Trajectory.from_proto(reply.trajectory) async for reply in replies]
         # They stream back as they finish; a fixed order keeps mini-batches (and a resumed run)
         # reproducible.
         return sorted(trajectories, key=lambda t: t.trajectory_id)
@@ -219,12 +221,41 @@ class Controller(RunLoop):
         )
 
     async def _push(self) -> PushResult:
-        """Sends the policy's weights as the next version the engine has not seen."""
-        stats = await self.rollout.GetStats(rollout_pb2.GetStatsRequest(), timeout=30)
-        self._policy_version = max(self._policy_version, stats.policy_version) + 1
+        """Sends the policy's weights as the next version no replica has seen, to every live
+        replica and each lost one that is back (the weight-sync group is formed again when
+        they changed). A replica lost during the push is left out and the push made again
+        to the others."""
         bucket_size_bytes = self.config.weight_sync.bucket_size_mb * MIB
         weights = await self.ranks.run(gather_weights, bucket_size_bytes)
-        return await self.pusher.push(weights, self._policy_version)
+        while True:
+            members = await self.router.members_for_push()
+            if self.pusher is None or [m.address for m in members] != self._push_members:
+                await self._connect_pusher(members)
+            stats = await self.router.stats()
+            versions = [self._policy_version, *(s.policy_version for s in stats)]
+            self._policy_version = max(versions) + 1
+            try:
+                return await self.pusher.push(weights, self._policy_version)
+            except errors.RpcError as e:
+                if e.status not in REPLICA_LOST_STATUSES or not self.router.lose(e.address, e):
+                    raise
+
+    async def _connect_pusher(self, members: list[RolloutReplica]) -> None:
+        """Forms the weight-sync group with `members` (each time under a new name: the
+        replicas leave the last group by joining the next)."""
+        if self.pusher is not None:
+            self.pusher.close()
+        self._pusher_groups += 1
+        sync = self.config.weight_sync
+        self.pusher = await WeightPusher.connect(
+            [member.stub for member in members],
+            backend=sync.backend,
+            master_address=sync.master_address,
+            group_name=f"turnrl-{self.run_dir.name}-{self._pusher_groups}",
+            timeout_seconds=sync.timeout_seconds,
+            mode=sync.mode,
+        )
+        self._push_members = [member.address for member in members]
 
     async def _evaluate(self) -> None:
         if not self.held_out:

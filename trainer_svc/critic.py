@@ -42,7 +42,8 @@ class FsdpCritic(FsdpModel):
 
         `values[:, t]` is the value of the prefix before token t, read from the head at position
         t - 1, as `FsdpPolicy.logprobs[:, t]` is the logprob of token t given that prefix: the
-        state in which the policy chose token t. Column 0 and padding get 0.
+        state in which the policy chose token t. Column 0 and padding get 0. Every rank passes
+        the same batch and computes its share of it (`FsdpModel._per_token`).
         """
         (values,) = self._per_token(batch, lambda micro: (self._forward(micro),))
         return values

@@ -3,14 +3,18 @@ steps. `FsdpModel` holds what every trained model needs (sharding, AdamW, LR sch
 micro-batches, the step, checkpoint state); `FsdpPolicy` is the causal LM and its logprobs;
 `trainer_svc.critic.FsdpCritic` is the value model.
 
-Launched by torchrun, every rank holds a shard of the model, from `fully_shard` on each decoder
+Launched as several ranks (by torchrun, or by a launcher that starts each rank itself with the
+env:// variables), every rank holds a shard of the model, from `fully_shard` on each decoder
 layer and then the root, as torchtitan's `apply_fsdp_to_decoder` does; in a plain single
 process the model stays whole, with no process group. Every method that touches the model
 is collective under FSDP: all ranks call it, in the same order.
 
-Data parallelism: each rank passes its own rows, and a step equals one step on all ranks' rows
-together when the loss is normalised by counts over all of them: `train_step` puts those counts
-on every micro-batch, and makes FSDP's mean of the ranks' gradients a sum.
+Data parallelism: each rank passes its own rows to `train_step`, and a step equals one step on
+all ranks' rows together when the loss is normalised by counts over all of them: `train_step`
+puts those counts on every micro-batch, and makes FSDP's mean of the ranks' gradients a sum.
+Forward passes without gradients (`FsdpPolicy.logprobs`, `FsdpCritic.values`) take the whole
+batch instead, the same on every rank: each rank runs the forward of its share of the rows
+only, and every rank gets the whole batch's outputs back (`FsdpModel._per_token`).
 
 The loss_fn contract of `train_step`:
 
@@ -26,6 +30,7 @@ fraction over its loss tokens); the step reports them weighted by loss tokens.
 """
 
 import math
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -132,12 +137,17 @@ LossFn = Callable[[Batch, Tensor, Tensor | None], tuple[Tensor, dict[str, float]
 
 
 def init_distributed() -> tuple[int, int]:
-    """Joins torchrun's process group (gloo on CPU, nccl on GPU); returns (rank, world_size).
+    """Joins the process group of the env:// variables (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT) when WORLD_SIZE > 1, gloo on CPU and nccl on GPU; returns (rank, world_size).
+    torchrun sets them for each rank it starts, and so does a launcher that starts each rank
+    itself, on any machine.
 
-    Outside torchrun, or with a group already made, it makes none: (0, 1) or the group's.
+    In a plain single process, or with a group already made, it makes none: (0, 1) or the
+    group's.
     """
-    if dist.is_torchelastic_launched() and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, init_method="env://")
     if not dist.is_initialized():
         return 0, 1
     return dist.get_rank(), dist.get_world_size()
@@ -199,7 +209,7 @@ def token_logprobs(
 
 
 class FsdpModel:
-    """A transformers model with AdamW and its LR schedule, sharded under torchrun: what the
+    """A transformers model with AdamW and its LR schedule, sharded over several ranks: what the
     policy and the critic share. Subclasses load the model and define its forward pass.
 
     The model is loaded in fp32 on every rank, then sharded; a model too large for one device
@@ -213,7 +223,7 @@ class FsdpModel:
         self.is_sharded = dist.is_initialized()
         self._owns_process_group = self.is_sharded and not joined_a_group
         self.device = torch.device("cpu")
-        if torch.cuda.is_available():
+        if torch.cuda.is_available():  # the node's GPU of LOCAL_RANK
             self.device = torch.device("cuda", dist.get_node_local_rank(fallback_rank=0))
             torch.cuda.set_device(self.device)
         if settings.activation_checkpointing:
@@ -266,9 +276,32 @@ class FsdpModel:
     def _per_token(
         self, batch: Batch, forward: Callable[[Batch], tuple[Tensor | None, ...]]
     ) -> list[Tensor | None]:
-        """`forward`'s (rows, length) outputs on every micro-batch, without gradients, put
-        back together as (rows, length) tensors like the batch, on the batch's device; an
-        output `forward` gives as None stays None."""
+        """`forward`'s (rows, length) outputs on the whole `batch`, without gradients, as
+        (rows, length) tensors like the batch, on the batch's device; an output `forward` gives
+        as None stays None.
+
+        On several ranks every rank passes the same batch and runs `forward` on its share of
+        the rows only: every world_size-th row from its rank, as `ranks.share_of` splits a
+        train step's rows. The shares' outputs are then gathered, so every rank gets the whole.
+        """
+        if self.world_size == 1:
+            return self._micro_batch_outputs(batch, forward)
+        rows = list(range(batch.input_ids.shape[0]))
+        mine = rows[self.rank :: self.world_size]
+        # Where rows are fewer than ranks, a rank without one forwards row 0 and drops its
+        # outputs: each forward gathers parameters with all ranks.
+        share = batch.select(mine or rows[:1], batch.input_ids.device)
+        outputs = self._micro_batch_outputs(share, forward)
+        return [
+            None if part is None else self._gather_shares(part[: len(mine)], batch.input_ids.shape)
+            for part in outputs
+        ]
+
+    def _micro_batch_outputs(
+        self, batch: Batch, forward: Callable[[Batch], tuple[Tensor | None, ...]]
+    ) -> list[Tensor | None]:
+        """`forward`'s outputs on every micro-batch of `batch` (this rank's rows), without
+        gradients, put back together as (rows, length) tensors like it, on its device."""
         self.model.eval()
         outputs: list[Tensor | None] = []
         with torch.no_grad():
@@ -286,6 +319,21 @@ class FsdpModel:
                     if whole is not None:
                         whole[rows, :length] = part.to(whole.device)
         return outputs
+
+    def _gather_shares(self, share: Tensor, shape: torch.Size) -> Tensor:
+        """The (rows, length) = `shape` tensor of the whole batch, on `share`'s device, from each
+        rank's `share` of it (`_per_token`'s split: rank r's j-th row is row j * world_size + r),
+        all-gathered on the default group after padding each share to ceil(rows / world_size)
+        rows of the full length."""
+        rows, length = shape
+        most_rows = -(-rows // self.world_size)
+        padded = torch.zeros(most_rows, length, dtype=share.dtype, device=self.device)
+        padded[: share.shape[0], : share.shape[1]] = share
+        shares = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(shares, padded)
+        # Stacked as (j, rank), row j * world_size + rank sits at that flat index; the padding
+        # rows, at indices past the last row, drop off the end.
+        return torch.stack(shares, dim=1).flatten(0, 1)[:rows].to(share.device)
 
     def _train_step(
         self, batch: Batch, micro_loss: Callable[[Batch], tuple[Tensor, dict[str, float]]]
@@ -373,7 +421,8 @@ class FsdpPolicy(FsdpModel):
 
     def logprobs(self, batch: Batch, *, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         """Logprob (and entropy) of each token given its prefix, (rows, length) like the batch,
-        on the batch's device; column 0 and padding get 0."""
+        on the batch's device; column 0 and padding get 0. Every rank passes the same batch and
+        computes its share of it (`FsdpModel._per_token`)."""
         logprobs, entropy = self._per_token(
             batch, partial(self._forward, with_entropy=with_entropy)
         )

@@ -1,15 +1,17 @@
-"""The trainer service on several ranks (torchrun): rank 0 serves the TrainerService and runs
-the run's loop; every other rank follows it, running each model computation rank 0 runs, in
+"""The trainer service on several ranks (started by torchrun, or one by one by a launcher that
+sets the env:// variables: `init_distributed`): rank 0 serves the TrainerService and runs the
+run's loop; every other rank follows it, running each model computation rank 0 runs, in
 the same order, so that FSDP2's collectives line up across the ranks.
 
 A run's loop builds its models and computes with them only through `Ranks`: `build` makes the
 run's `Models` on every rank, `run(function, *args)` calls `function(models, *args)` on every
-rank and returns rank 0's result. Under torchrun rank 0 first broadcasts the call (the function,
-by reference, and its arguments, pickled) on a gloo group of its own, which `follow` receives
-on the other ranks; `close` ends their loop. With one rank a call is just the function.
+rank and returns rank 0's result. On several ranks rank 0 first broadcasts the call (the
+function, by reference, and its arguments, pickled) on a gloo group of its own, which `follow`
+receives on the other ranks; `close` ends their loop. With one rank a call is just the function.
 
 A function decides what each rank computes: the train steps split every batch's rows across
-the ranks (`share_of`); forward passes for logprobs run the whole batch on every rank.
+the ranks (`share_of`); forward passes for logprobs and values take the whole batch on every
+rank, split its rows the same way and gather the results (`FsdpModel._per_token`).
 """
 
 import asyncio

@@ -242,7 +242,8 @@ def rl_update(
     mini_batch_rows: list[list[int]],
 ) -> dict[str, float]:
     """One step's update (on every rank): recomputes logprobs (and values) of the whole batch,
-    computes advantages, then trains on each of `mini_batch_rows` in turn (the PPO epochs'
+    each rank its share of the rows, gathered on every rank (`FsdpModel._per_token`), computes
+    advantages, then trains on each of `mini_batch_rows` in turn (the PPO epochs'
     mini-batches), a critic step (with gae) then a policy step, each rank on its share of the
     rows. Returns the step's metrics, equal on every rank."""
     algorithm = config.algorithm

@@ -13,6 +13,7 @@ from trainer_svc.config import TrainerConfig
 from trainer_svc.ranks import Ranks
 from trainer_svc.service import RunEvent, RunRecord, TrainerService
 from turnrl import rpc, service_main
+from turnrl.errors import ConfigError
 from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
 
 
@@ -46,10 +47,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
 async def serve(config: TrainerConfig) -> None:
     """Serves the trainer service until SIGTERM or SIGINT; a running run stops after its step.
-    Under torchrun only rank 0 serves; the other ranks follow its model calls."""
+    On several ranks only rank 0 serves; the other ranks follow its model calls. Raises
+    ConfigError when a launcher started this process as one of a number of ranks (WORLD_SIZE)
+    other than `config.ranks`."""
+    launched = os.environ.get("WORLD_SIZE")
+    if launched is not None and int(launched) != config.ranks:
+        raise ConfigError(
+            f"this process was started as one of WORLD_SIZE={launched} ranks, but "
+            f"trainer.ranks is {config.ranks}; start as many ranks as trainer.ranks says"
+        )
     ranks = Ranks()
     if ranks.rank != 0:
-        # Ctrl-C and SIGTERM, which torchrun passes to every rank, are rank 0's to act on: it
+        # Ctrl-C and SIGTERM, which a launcher may pass to every rank, are rank 0's to act on: it
         # finishes its step, whose collectives need this rank too, then ends `follow`.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -72,10 +81,12 @@ async def serve(config: TrainerConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """`python -m trainer_svc`: serves the `trainer:` section of `--config F` with its
     overrides (turnrl.service_main); `turnrl serve trainer` ends in `serve` too. With
-    `trainer.ranks` > 1 it becomes torchrun, which starts this command once per rank."""
+    `trainer.ranks` > 1 it becomes torchrun, which starts this command once per rank on this
+    machine, unless a launcher (torchrun itself, or one that starts each rank on any machine)
+    already started it as one rank: then WORLD_SIZE and the other env:// variables are set."""
     argv = sys.argv[1:] if argv is None else list(argv)
     config = service_main.load_config("trainer", TrainerConfig, argv)
-    if config.ranks > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
+    if config.ranks > 1 and "WORLD_SIZE" not in os.environ:
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         nproc = f"--nproc-per-node={config.ranks}"
         os.execv(sys.executable, [*torchrun, nproc, "-m", "trainer_svc", *argv])

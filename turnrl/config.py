@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Self, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from turnrl.errors import ConfigError
 
@@ -87,7 +87,11 @@ class ServerConfig(StrictModel):
 class ClientConfig(StrictModel):
     """How a service or the CLI calls another service."""
 
-    address: str = Field(description="host:port of the service.")
+    address: str = Field(
+        description="host:port of the service, or of several replicas of it, comma-separated "
+        "(`host1:port1,host2:port2`): the caller spreads its calls over them "
+        "(turnrl.replicas.ReplicaSet)."
+    )
     timeout_seconds: float = Field(
         default=30.0, gt=0, description="Deadline of a unary call that sets none, in seconds."
     )
@@ -114,6 +118,20 @@ class ClientConfig(StrictModel):
         default=None, description="Name of an environment variable holding the bearer token."
     )
 
+    @field_validator("address")
+    @classmethod
+    def _addresses_well_formed(cls, address: str) -> str:
+        entries = _split_addresses(address)
+        if not all(entries):
+            raise ValueError(
+                f"address {address!r} has an empty entry; expected host:port, or several "
+                "comma-separated"
+            )
+        repeated = sorted({entry for entry in entries if entries.count(entry) > 1})
+        if repeated:
+            raise ValueError(f"address {address!r} lists {repeated} more than once")
+        return address
+
     @model_validator(mode="after")
     def _tls_files_consistent(self) -> Self:
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
@@ -122,9 +140,21 @@ class ClientConfig(StrictModel):
             raise ValueError("a client certificate needs tls_ca_file (mTLS runs over TLS)")
         return self
 
+    def addresses(self) -> list[str]:
+        """The replicas `address` names, in its order: one for a single service."""
+        return _split_addresses(self.address)
+
+    def for_address(self, address: str) -> "ClientConfig":
+        """This config naming one replica, `address`, alone."""
+        return self.model_copy(update={"address": address})
+
     def auth_token(self) -> str | None:
         """The bearer token to send, read from `auth_token_env`."""
         return read_secret_env(self.auth_token_env) if self.auth_token_env else None
+
+
+def _split_addresses(address: str) -> list[str]:
+    return [entry.strip() for entry in address.split(",")]
 
 
 def read_secret_env(name: str) -> str:

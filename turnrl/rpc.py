@@ -55,6 +55,7 @@ RPC_ERROR_BY_STATUS: dict[grpc.StatusCode, type[errors.RpcError]] = {
 }
 # Health checks answer without a token, so load balancers and `turnrl up` can probe a service.
 UNAUTHENTICATED_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
+MAX_RECONNECT_BACKOFF_MS = 5_000
 # Servers accept client keepalive pings this often (clients ping every `keepalive_seconds`).
 MIN_CLIENT_PING_INTERVAL_MS = 5_000
 
@@ -300,8 +301,16 @@ def open_channel(config: ClientConfig, *, token: str | None = None) -> grpc.aio.
     the method, the address, the status and the server's details: a unary call when awaited, a
     streaming one while its responses are read.
     """
+    if len(config.addresses()) > 1:
+        raise errors.ConfigError(
+            f"address {config.address!r} names several replicas; this caller talks to one "
+            "service (the rollout service's tool and reward clients and the trainer's rollout "
+            "router spread calls over replicas)"
+        )
     token = token if token is not None else config.auth_token()
     options = [
+        # A replica that comes back is found within seconds (gRPC's default backs off to 2 min).
+        ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.keepalive_time_ms", int(config.keepalive_seconds * 1000)),

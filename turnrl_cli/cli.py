@@ -1,8 +1,8 @@
 """The `turnrl` command line: serve one service, start all four, run training, call services.
 
     turnrl serve {tool,reward,rollout,trainer} [--config F] [--host H] [--port N] [key=value ...]
-    turnrl up [--config F] [--check] [key=value ...]
-    turnrl run --config F [--resume] [key=value ...]
+    turnrl up [--config F] [--launcher local|ray] [--check] [key=value ...]
+    turnrl run --config F [--launcher local|ray] [--resume] [key=value ...]
     turnrl health --addr H:P [--service NAME]
     turnrl tool list [--addr H:P]
     turnrl tool call NAME 'JSON-ARGS' [--addr H:P] [--session-kwargs JSON]
@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [a for a in extra if a not in overrides]
     if unknown or (overrides and not getattr(args, "accepts_overrides", False)):
         parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
+    if getattr(args, "launcher", None):
+        overrides.append(f"launcher.kind={args.launcher}")
     args.overrides = overrides
     service_main.configure_logging(args.log_level)
     try:
@@ -72,9 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(handler=_serve)
 
     up = commands.add_parser(
-        "up", help="start the services the config does not point at, as local processes"
+        "up", help="start the services the config does not point at (local processes or Ray)"
     )
     _add_config_args(up)
+    _add_launcher_arg(up)
     up.add_argument(
         "--check",
         action="store_true",
@@ -84,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="train: start the services and submit the run")
     _add_config_args(run, config_required=True)
+    _add_launcher_arg(run)
     run.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     run.set_defaults(handler=lambda a: asyncio.run(launcher.run(a.config, a.overrides, a.resume)))
 
@@ -123,6 +127,15 @@ def _add_config_args(parser: argparse.ArgumentParser, *, config_required: bool =
     )
     parser.set_defaults(accepts_overrides=True)
     parser.epilog = "Config overrides go anywhere as key.sub=value, e.g. tool.server.port=0."
+
+
+def _add_launcher_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--launcher",
+        choices=["local", "ray"],
+        help="start the services as local processes or as Ray actors (sets launcher.kind; "
+        "default from config: local)",
+    )
 
 
 def _add_client_args(parser: argparse.ArgumentParser, *, default_port: int | None) -> None:

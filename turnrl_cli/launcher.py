@@ -1,11 +1,13 @@
-"""The local launcher's two commands, `turnrl up` and `turnrl run`, start to end: the config
-with its model paths (`model_paths`), the services as child processes (`processes`), then
-`up` prints their addresses (or checks them) and supervises until Ctrl-C or a death, and
-`run` submits the run to the trainer (StartRun) and follows it (`progress`).
+"""The launcher's two commands, `turnrl up` and `turnrl run`, start to end: the config with
+its model paths (`model_paths`), the services as child processes (`processes`) or Ray actors
+(`ray_services`, `launcher.kind: ray`), then `up` prints their addresses (or checks them) and
+supervises until Ctrl-C or a death, and `run` submits the run to the trainer (StartRun) and
+follows it (`progress`).
 """
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import yaml
@@ -13,13 +15,15 @@ from rich.console import Console
 from rich.table import Table
 
 from turnrl import errors, rpc
+from turnrl.errors import ConfigError
 from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
 from turnrl_cli.model_paths import load_with_tiny_model
 from turnrl_cli.processes import (
+    LaunchedService,
     ServiceDiedError,
-    ServiceProcess,
     StartupInterruptedError,
     local_services,
+    replica_addresses,
     stop_on_signals,
     supervise,
 )
@@ -33,7 +37,7 @@ async def up(config_path: Path | None, overrides: Sequence[str], check: bool) ->
     console = Console()
     stop_requested = stop_on_signals()
     try:
-        async with local_services(project, config_path, overrides, stop_requested) as services:
+        async with start_services(project, config_path, overrides, stop_requested) as services:
             if check:
                 return await _check(services, console)
             console.print(_table(services, {}))
@@ -55,13 +59,13 @@ async def run(config_path: Path, overrides: Sequence[str], resume: bool) -> int:
     console = Console(stderr=True)
     stop_requested = stop_on_signals()
     try:
-        async with local_services(project, config_path, overrides, stop_requested) as services:
-            by_name = {service.name: service for service in services}
-            trainer = by_name["trainer"].client_config() if "trainer" in by_name else None
-            async with rpc.open_channel(trainer or project.trainer_service) as channel:
+        async with start_services(project, config_path, overrides, stop_requested) as services:
+            trainers = [s for s in services if s.name == "trainer" and s.replica == 0]
+            trainer = trainers[0].client_config() if trainers else project.trainer_service
+            async with rpc.open_channel(trainer) as channel:
                 stub = trainer_pb2_grpc.TrainerServiceStub(channel)
                 request = trainer_pb2.StartRunRequest(
-                    config_yaml=_run_config_yaml(project, by_name), resume=resume
+                    config_yaml=_run_config_yaml(project, services), resume=resume
                 )
                 try:
                     reply = await stub.StartRun(request, timeout=60.0)
@@ -81,21 +85,46 @@ async def run(config_path: Path, overrides: Sequence[str], resume: bool) -> int:
         return 0
 
 
-def _run_config_yaml(project: ProjectConfig, services: dict[str, ServiceProcess]) -> str:
-    """The config for StartRun, pointing the trainer at the rollout service this launcher
-    started."""
+@contextlib.asynccontextmanager
+async def start_services(
+    project: ProjectConfig,
+    config_path: Path | None,
+    overrides: Sequence[str],
+    stop_requested: asyncio.Event,
+) -> AsyncIterator[list[LaunchedService]]:
+    """The services of `launcher.kind`: local processes, or Ray actors."""
+    if project.launcher.kind == "local":
+        async with local_services(project, config_path, overrides, stop_requested) as services:
+            yield services
+        return
+    try:
+        from turnrl_cli.ray_services import ray_services  # only with the ray extra installed
+    except ImportError as e:
+        raise ConfigError(f"launcher.kind ray needs Ray: pip install 'turnrl[ray]' ({e})") from None
+    async with ray_services(project, config_path, overrides, stop_requested) as services:
+        yield services
+
+
+def _run_config_yaml(project: ProjectConfig, services: list[LaunchedService]) -> str:
+    """The config for StartRun, pointing the trainer at the rollout replicas this launcher
+    started, and the replicas at the trainer's node for weight sync when it runs on Ray."""
     data = project.model_dump(mode="json")
-    if "rollout" in services:
-        data["trainer"]["rollout_service"]["address"] = services["rollout"].address
+    if rollout := replica_addresses(services, "rollout"):
+        data["trainer"]["rollout_service"]["address"] = rollout
+    trainer = [s for s in services if s.name == "trainer" and s.replica == 0]
+    if trainer and trainer[0].node_address:
+        data["trainer"]["weight_sync"]["master_address"] = trainer[0].node_address
     return yaml.safe_dump(data)
 
 
-async def _check(services: list[ServiceProcess], console: Console) -> int:
+async def _check(services: list[LaunchedService], console: Console) -> int:
     """`turnrl up --check`: 0 when every service lists its turnrl.v1 service by reflection."""
     listed: dict[str, list[str]] = {}
     for service in services:
+        if not service.address:  # a trainer rank that follows rank 0
+            continue
         async with rpc.open_channel(service.client_config()) as channel:
-            listed[service.name] = await rpc.list_services(channel, timeout_seconds=10.0)
+            listed[service.label] = await rpc.list_services(channel, timeout_seconds=10.0)
     console.print(_table(services, listed))
     expected = {f"turnrl.v1.{service.name.capitalize()}Service" for service in services}
     missing = expected - {name for names in listed.values() for name in names}
@@ -109,18 +138,18 @@ async def _check(services: list[ServiceProcess], console: Console) -> int:
     return 0
 
 
-def _table(services: list[ServiceProcess], listed: dict[str, list[str]]) -> Table:
-    """The services' addresses and pids, with the turnrl services each lists (`listed`)."""
+def _table(services: list[LaunchedService], listed: dict[str, list[str]]) -> Table:
+    """The services' addresses and places, with the turnrl services each lists (`listed`)."""
     table = Table(title="turnrl services")
-    for column in ("service", "address", "pid", "health", "reflection"):
+    for column in ("service", "address", "where", "health", "reflection"):
         table.add_column(column)
     for service in services:
-        names = [n for n in listed.get(service.name, []) if n.startswith("turnrl.")]
+        names = [n for n in listed.get(service.label, []) if n.startswith("turnrl.")]
         table.add_row(
-            service.name,
-            service.address,
-            str(service.process.pid),
-            "SERVING",
+            service.label,
+            service.address or "-",
+            service.where,
+            "SERVING" if service.address else "follows rank 0",
             ", ".join(names) or "-",
         )
     return table

@@ -1,9 +1,10 @@
 """The local services as child processes: start, supervise, stop (`turnrl up`, `turnrl run`).
 
 `local_services` starts the services the config does not point at
-(ProjectConfig.services_to_start), and points the ones it starts at the others. Each child is
+(ProjectConfig.services_to_start), each as many times as its `replicas`, and points the ones it
+starts at the others (all replicas of a peer, comma-separated). Each child is
 `python -m turnrl_cli serve <name>` with the same config file and overrides, in a session of
-its own, dying with its parent. The address of each comes from the child's first stdout line
+its own, dying with its parent; replica i > 0 of a service with a fixed port takes any free one. The address of each comes from the child's first stdout line
 (`serving ... on HOST:PORT`); it is ready at gRPC health SERVING. `supervise` waits for Ctrl-C
 or SIGTERM (`stop_on_signals`) or a child's death, which it reports with the exit status and
 the child's last log lines; on the way out every child is stopped, trainer first.
@@ -16,9 +17,10 @@ import os
 import signal
 import sys
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 from rich.console import Console
 
@@ -35,12 +37,38 @@ STOP_SLACK_SECONDS = 5.0
 LOG_TAIL_LINES = 20
 
 
+# Tool and reward first: the rollout service is told where they listen, which for a port of 0
+# is known only once they serve. The trainer learns the rollout's address from StartRun.
+START_STAGES = (("tool", "reward"), ("rollout", "trainer"))
+
+
 class ServiceDiedError(RuntimeError):
     """A child service exited when it should be running."""
 
 
 class StartupInterruptedError(RuntimeError):
     """Ctrl-C or SIGTERM arrived before every service was SERVING."""
+
+
+class LaunchedService(Protocol):
+    """A service replica a launcher started: a local `ServiceProcess` or a Ray `RayService`."""
+
+    name: str
+    replica: int  # the trainer's: its rank
+    address: str  # "" for a trainer rank > 0, which serves nothing
+    node_address: str  # the node it runs on; "" for this machine
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def where(self) -> str: ...
+
+    def client_config(self) -> ClientConfig: ...
+
+    async def wait(self) -> None: ...
+
+    def exit_description(self) -> str: ...
 
 
 @dataclass
@@ -50,23 +78,50 @@ class ServiceProcess:
     name: str
     server: ServerConfig
     process: asyncio.subprocess.Process
+    replica: int = 0
     address: str = ""
+    node_address: str = ""  # this machine
     log_tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
     log_task: asyncio.Task | None = None
 
     def client_config(self) -> ClientConfig:
-        """How the launcher reaches this service (TLS verified against its own certificate)."""
-        return ClientConfig(
-            address=self.address,
-            tls_ca_file=self.server.tls.cert_file if self.server.tls else None,
-            auth_token_env=self.server.auth_token_env,
-        )
+        return launcher_client_config(self.server, self.address)
+
+    @property
+    def label(self) -> str:
+        """The service's name, with its replica number after the first."""
+        return f"{self.name}#{self.replica}" if self.replica else self.name
+
+    @property
+    def where(self) -> str:
+        return f"pid {self.process.pid}"
+
+    async def wait(self) -> None:
+        """Returns when the child exits, its last output read."""
+        await self.process.wait()
+        if self.log_task is not None:
+            await self.log_task
 
     def exit_description(self) -> str:
         code = self.process.returncode
-        status = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        tail = "\n".join(f"    {line}" for line in self.log_tail) or "    (no output)"
-        return f"{self.name} service (pid {self.process.pid}) {status}; its last output:\n{tail}"
+        return exit_description(f"{self.label} service ({self.where})", code, self.log_tail)
+
+
+def launcher_client_config(server: ServerConfig, address: str) -> ClientConfig:
+    """How the launcher reaches a service it started at `address` (TLS verified against the
+    service's own certificate)."""
+    return ClientConfig(
+        address=address,
+        tls_ca_file=server.tls.cert_file if server.tls else None,
+        auth_token_env=server.auth_token_env,
+    )
+
+
+def exit_description(who: str, code: int, log_tail: Sequence[str]) -> str:
+    """How a service's process ended (`code`, negative for a signal), with its last output."""
+    status = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    tail = "\n".join(f"    {line}" for line in log_tail) or "    (no output)"
+    return f"{who} {status}; its last output:\n{tail}"
 
 
 @contextlib.asynccontextmanager
@@ -82,60 +137,87 @@ async def local_services(
     Raises ServiceDiedError, naming the service and its last output, when one fails to start,
     and StartupInterruptedError when `stop_requested` is set first.
     """
-    servers = {
-        "tool": project.tool.server,
-        "reward": project.reward.server,
-        "rollout": project.rollout.server,
-        "trainer": project.trainer.server,
-    }
     to_start = project.services_to_start()
     services: list[ServiceProcess] = []
     try:
-        # Tool and reward first: the rollout service is told where they listen, which for a
-        # port of 0 is known only once they serve. The trainer learns the rollout's address
-        # from StartRun.
-        for stage in (("tool", "reward"), ("rollout", "trainer")):
+        for stage in START_STAGES:
             started = [
-                await _spawn(
+                await spawn(
                     name,
-                    servers[name],
+                    replica,
+                    project.server(name),
                     config_path,
-                    [*overrides, *_peer_addresses(name, project, services)],
+                    [
+                        *overrides,
+                        *replica_overrides(name, replica, project.server(name)),
+                        *peer_addresses(name, services),
+                    ],
                 )
                 for name in stage
                 if name in to_start
+                for replica in range(project.replicas(name))
             ]
             services += started
-            ready = asyncio.gather(*(_wait_ready(service) for service in started))
-            interrupted = asyncio.ensure_future(stop_requested.wait())
-            await asyncio.wait([ready, interrupted], return_when=asyncio.FIRST_COMPLETED)
-            interrupted.cancel()
-            if not ready.done():
-                ready.cancel()
-                raise StartupInterruptedError()
-            ready.result()  # raises the first ServiceDiedError
+            await ready_unless_stopped(
+                asyncio.gather(*(wait_ready(service) for service in started)), stop_requested
+            )
         yield services
     finally:
-        await _stop_all(services)
+        await stop_processes(services)
 
 
-def _peer_addresses(name: str, project: ProjectConfig, started: list[ServiceProcess]) -> list[str]:
-    """Overrides pointing service `name` at the services already started: the rollout
-    service at the tool and reward services."""
+async def ready_unless_stopped(ready: Awaitable[Any], stop_requested: asyncio.Event) -> None:
+    """Waits for `ready` (which raises ServiceDiedError for a service that failed to start);
+    raises StartupInterruptedError when `stop_requested` is set first."""
+    ready = asyncio.ensure_future(ready)
+    interrupted = asyncio.ensure_future(stop_requested.wait())
+    await asyncio.wait([ready, interrupted], return_when=asyncio.FIRST_COMPLETED)
+    interrupted.cancel()
+    if not ready.done():
+        ready.cancel()
+        raise StartupInterruptedError()
+    ready.result()
+
+
+def peer_addresses(name: str, started: Sequence[LaunchedService]) -> list[str]:
+    """Overrides pointing service `name` at the services already `started`: the rollout
+    service at every replica of the tool and reward services."""
     if name != "rollout":
         return []
-    address = {service.name: service.address for service in started}
     return [
-        f"rollout.{peer}_service.address={address[peer]}"
+        f"rollout.{peer}_service.address={addresses}"
         for peer in ("tool", "reward")
-        if peer in address
+        if (addresses := replica_addresses(started, peer))
     ]
 
 
-async def _spawn(
-    name: str, server: ServerConfig, config_path: Path | None, overrides: Sequence[str]
+def replica_addresses(started: Sequence[LaunchedService], name: str) -> str:
+    """The addresses of the replicas of service `name` among `started`, comma-separated (a
+    ClientConfig address); "" when none."""
+    return ",".join(service.address for service in started if service.name == name)
+
+
+def replica_overrides(name: str, replica: int, server: ServerConfig) -> list[str]:
+    """Replica i > 0 listens on any free port (and serves metrics on one) where the config
+    fixes them: the first replica has the config's."""
+    if replica == 0:
+        return []
+    overrides = [f"{name}.server.port=0"] if server.port else []
+    if server.metrics_port:
+        overrides.append(f"{name}.server.metrics_port=0")
+    return overrides
+
+
+async def spawn(
+    name: str,
+    replica: int,
+    server: ServerConfig,
+    config_path: Path | None,
+    overrides: Sequence[str],
+    env: dict[str, str] | None = None,
 ) -> ServiceProcess:
-    """Starts `python -m turnrl_cli serve NAME` with the config file and `overrides`."""
+    """Starts `python -m turnrl_cli serve NAME` with the config file and `overrides`, and
+    `env` added to this process's environment."""
     command = [sys.executable, "-m", "turnrl_cli", "serve", name, *overrides]
     if config_path is not None:
         command[5:5] = ["--config", str(config_path)]
@@ -147,8 +229,9 @@ async def _spawn(
         # Own session: a terminal's Ctrl-C reaches only the launcher, which stops children in order.
         start_new_session=True,
         preexec_fn=die_with_parent,
+        env=None if env is None else {**os.environ, **env},
     )
-    service = ServiceProcess(name=name, server=server, process=process)
+    service = ServiceProcess(name=name, server=server, process=process, replica=replica)
     service.log_task = asyncio.create_task(_forward_log(service))
     return service
 
@@ -160,10 +243,10 @@ async def _forward_log(service: ServiceProcess) -> None:
     async for raw in service.process.stderr:
         line = raw.decode(errors="replace").rstrip()
         service.log_tail.append(line)
-        print(f"[{service.name}] {line}", file=sys.stderr, flush=True)
+        print(f"[{service.label}] {line}", file=sys.stderr, flush=True)
 
 
-async def _wait_ready(service: ServiceProcess) -> None:
+async def wait_ready(service: ServiceProcess) -> None:
     """Sets the child's address from its `serving` line and waits for health SERVING; raises
     ServiceDiedError when it exits first or takes longer than STARTUP_TIMEOUT_SECONDS."""
     assert service.process.stdout is not None
@@ -182,7 +265,7 @@ async def _wait_ready(service: ServiceProcess) -> None:
             )
     except TimeoutError:
         raise ServiceDiedError(
-            f"{service.name} service (pid {service.process.pid}) did not report SERVING within "
+            f"{service.label} service (pid {service.process.pid}) did not report SERVING within "
             f"{STARTUP_TIMEOUT_SECONDS:.0f}s"
         ) from None
 
@@ -215,19 +298,18 @@ def stop_on_signals() -> asyncio.Event:
 
 
 async def supervise(
-    services: list[ServiceProcess], stop_requested: asyncio.Event, console: Console
+    services: Sequence[LaunchedService], stop_requested: asyncio.Event, console: Console
 ) -> int:
-    """Waits for `stop_requested` (0) or the first child to die (1, reported on stderr with
-    its exit status and last output); the caller's `local_services` then stops the rest."""
-    waiters = {asyncio.create_task(s.process.wait()): s for s in services}
+    """Waits for `stop_requested` (0) or the first service to die (1, reported on stderr with
+    its exit status and last output); the caller's `local_services` (or `ray_services`) then
+    stops the rest."""
+    waiters = {asyncio.create_task(s.wait()): s for s in services}
     stop_waiter = asyncio.create_task(stop_requested.wait())
     done, _ = await asyncio.wait([stop_waiter, *waiters], return_when=asyncio.FIRST_COMPLETED)
     for task in [stop_waiter, *waiters]:
         task.cancel()
     dead = [waiters[task] for task in done if task in waiters]
     if dead:
-        if dead[0].log_task is not None:
-            await dead[0].log_task
         Console(stderr=True).print(
             f"[red]turnrl up: {dead[0].exit_description()}[/red]", highlight=False
         )
@@ -237,7 +319,7 @@ async def supervise(
     return 0
 
 
-async def _stop_all(services: list[ServiceProcess]) -> None:
+async def stop_processes(services: list[ServiceProcess]) -> None:
     """SIGTERM to each child in reverse start order (callers first), SIGKILL to one still
     running past its shutdown grace plus STOP_SLACK_SECONDS."""
     for service in reversed(services):
@@ -252,7 +334,7 @@ async def _stop_all(services: list[ServiceProcess]) -> None:
                     await process.wait()
             except TimeoutError:
                 log.warning(
-                    "%s service did not stop in time; killing pid %d", service.name, process.pid
+                    "%s service did not stop in time; killing pid %d", service.label, process.pid
                 )
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, signal.SIGKILL)

@@ -6,6 +6,7 @@ a service itself receives only its own section.
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -13,13 +14,69 @@ from reward_svc.config import RewardConfig
 from rollout_svc.config import RolloutConfig
 from tool_svc.config import ToolConfig
 from trainer_svc.config import TrainerConfig
-from turnrl.config import ClientConfig, StrictModel, load_config_data, validate_config
+from turnrl.config import ClientConfig, ServerConfig, StrictModel, load_config_data, validate_config
 from turnrl.errors import ConfigError
 from turnrl_demo.settings import TinyModelSettings
 
 # Start order; stop order is the reverse (the trainer calls the rollout service, which calls
 # the tool and reward services, so callers go first and never see their callees vanish).
 SERVICE_NAMES = ("tool", "reward", "rollout", "trainer")
+
+
+class ServiceResources(StrictModel):
+    """What one replica of a service (one rank, for the trainer) asks of a Ray node."""
+
+    num_cpus: float = Field(default=1.0, ge=0, description="CPUs reserved for it.")
+    num_gpus: float = Field(default=0.0, ge=0, description="GPUs reserved for it.")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources it needs, e.g. {node_b: 1} to land on the node "
+        "started with `ray start --resources '{\"node_b\": 1}'`.",
+    )
+    placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = Field(
+        default="pack",
+        description="How its replicas (or ranks) share nodes: pack onto few, spread over many; "
+        "strict_ refuses to start otherwise (Ray placement group strategies).",
+    )
+
+
+class RayLauncherConfig(StrictModel):
+    """The Ray cluster the services run on (`launcher.kind: ray`)."""
+
+    address: str | None = Field(
+        default=None,
+        description="The cluster: 'auto' (one this machine joined with `ray start`), "
+        "'HOST:PORT' of its head; None: the one this machine runs if any, else a new local one.",
+    )
+    namespace: str = Field(
+        default="turnrl",
+        description="Ray namespace of the service actors, named SERVICE:REPLICA (`ray list "
+        "actors`); one launch per namespace.",
+    )
+    tool: ServiceResources = Field(default_factory=ServiceResources, description="Per replica.")
+    reward: ServiceResources = Field(default_factory=ServiceResources, description="Per replica.")
+    rollout: ServiceResources = Field(
+        default_factory=ServiceResources,
+        description="Per replica; on GPU give each its engine's GPUs (num_gpus: 1 for one SGLang "
+        "server of tensor-parallel size 1).",
+    )
+    trainer: ServiceResources = Field(
+        default_factory=ServiceResources,
+        description="Per rank (trainer.ranks of them, in one placement group).",
+    )
+
+
+class LauncherConfig(StrictModel):
+    """How `turnrl up` and `turnrl run` start the services."""
+
+    kind: Literal["local", "ray"] = Field(
+        default="local",
+        description="local: child processes of the launcher, on this machine; ray: Ray actors "
+        "on a Ray cluster's nodes (needs the `ray` extra). Both start the same servers.",
+    )
+    ray: RayLauncherConfig = Field(
+        default_factory=RayLauncherConfig, description="The Ray cluster and each service's needs."
+    )
 
 
 class ProjectConfig(StrictModel):
@@ -38,11 +95,24 @@ class ProjectConfig(StrictModel):
         description="The tiny calculator model (turnrl_demo) that `turnrl serve`, `up` and `run` "
         "build (once, cached) for a rollout.model_path or trainer.model_path left null.",
     )
+    launcher: LauncherConfig = Field(
+        default_factory=LauncherConfig,
+        description="How `turnrl up`/`run` start the services: local processes or Ray actors.",
+    )
     trainer_service: ClientConfig | None = Field(
         default=None,
         description="A trainer service already running, which `turnrl run` submits to; None: "
         "`turnrl run` starts one.",
     )
+
+    def server(self, name: str) -> ServerConfig:
+        """Where service `name` listens."""
+        return getattr(self, name).server
+
+    def replicas(self, name: str) -> int:
+        """How many copies of service `name` a launcher starts (the trainer: one service,
+        whatever its ranks)."""
+        return 1 if name == "trainer" else getattr(self, name).replicas
 
     def services_to_start(self) -> list[str]:
         """The services `turnrl up` and `turnrl run` start, in start order: those this config

@@ -26,17 +26,18 @@ from rollout_svc.engines.base import GenerateOutput, SamplingParams
 from rollout_svc.engines.hf import HfEngine, HfEngineOptions
 from rollout_svc.parsers import PARSERS
 from rollout_svc.service import RolloutService
+from rollout_svc.tool_client import ToolClient
 from tests.in_process_services import reward_service_address, tool_service_address
 from tool_svc.config import ToolEntry
 from tool_svc.tools.base import ToolCallError, ToolErrorKind, ToolResult
 from tool_svc.tools.calculator import CalculatorTool
-from turnrl import rpc
 from turnrl.calculator_data import TOOLS, generate_problems
 from turnrl.chat_tokens import ConversationTokens
 from turnrl.config import ClientConfig, ServerConfig
 from turnrl.errors import InvalidArgumentError, UnavailableError
+from turnrl.replicas import ReplicaSet
 from turnrl.trajectory import FinishReason, SegmentSource, Trajectory
-from turnrl.v1 import reward_pb2_grpc, tool_pb2_grpc
+from turnrl.v1 import reward_pb2_grpc
 from turnrl.weights import TensorMeta
 
 
@@ -307,22 +308,23 @@ async def agent_loop(model_dir: Path, tool_address: str) -> AsyncIterator[AgentL
     config = RolloutConfig(model_path=str(model_dir))
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_dir)
     engine = await HfEngine.create(HfEngineOptions(), str(model_dir), config.max_model_len)
+    loop = AgentLoop(
+        engine=engine,
+        tokenizer=tokenizer,
+        chat_template=None,
+        parser=PARSERS[config.tool_parser],
+        tool_client=ToolClient(ClientConfig(address=tool_address, timeout_seconds=10)),
+        reward_replicas=ReplicaSet(
+            ClientConfig(address="127.0.0.1:1"), reward_pb2_grpc.RewardServiceStub
+        ),
+        interactions={},
+        tool_call_timeout_seconds=10,
+    )
     try:
-        async with (
-            rpc.open_channel(ClientConfig(address=tool_address, timeout_seconds=10)) as tools,
-            rpc.open_channel(ClientConfig(address="127.0.0.1:1")) as rewards,
-        ):
-            yield AgentLoop(
-                engine=engine,
-                tokenizer=tokenizer,
-                chat_template=None,
-                parser=PARSERS[config.tool_parser],
-                tool_stub=tool_pb2_grpc.ToolServiceStub(tools),
-                reward_stub=reward_pb2_grpc.RewardServiceStub(rewards),
-                interactions={},
-                tool_call_timeout_seconds=10,
-            )
+        yield loop
     finally:
+        await loop.tool_client.close()
+        await loop.reward_replicas.close()
         await engine.close()
 
 

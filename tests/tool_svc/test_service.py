@@ -152,6 +152,16 @@ async def test_rate_limit_is_a_tool_error():
     assert results[2].error.kind == Kind.KIND_RATE_LIMITED and "1 calls/s" in results[2].text
 
 
+async def test_each_of_two_replicas_enforces_half_the_rate_limit():
+    limits = {"rate_limit_per_second": 2, "rate_limit_burst": 4, "max_rate_wait_seconds": 0}
+    async with tool_server(entry("calculator", **limits), replicas=2) as stub:
+        results = [await execute(stub, "calculator", {"expression": "1"}) for _ in range(3)]
+        (calculator,) = (await stub.ListTools(tool_pb2.ListToolsRequest(), timeout=5)).tools
+    assert [r.HasField("error") for r in results] == [False, False, True]  # a burst of 4 / 2
+    assert results[2].error.kind == Kind.KIND_RATE_LIMITED and "1 calls/s" in results[2].text
+    assert calculator.rate_limit_per_second == 2  # what the whole service allows
+
+
 async def test_rate_limit_waits_for_a_token_within_the_allowed_wait():
     limits = {"rate_limit_per_second": 20, "max_rate_wait_seconds": 1}
     async with tool_server(entry("calculator", **limits)) as stub:

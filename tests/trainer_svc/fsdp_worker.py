@@ -3,9 +3,10 @@
     torchrun --standalone --nproc-per-node 2 tests/trainer_svc/fsdp_worker.py \
         MODEL_DIR CHECKPOINT_FILE OUT_DIR
 
-Rank r trains on rows r, r + 2, ... of `fixed_batch()`: its logprobs before training, the
-first step's gradients, the weights after 3 steps, its weights after loading CHECKPOINT_FILE (written by one process after
-2 steps) and stepping once more, and a bf16 step with activation checkpointing, all go into
+Rank r trains on rows r, r + 2, ... of `fixed_batch()`: the whole batch's logprobs before
+training (each rank forwards its own rows), the first step's gradients, the weights after 3
+steps, its weights after loading CHECKPOINT_FILE (written by one process after 2 steps) and
+stepping once more, and a bf16 step with activation checkpointing, all go into
 OUT_DIR/rank0.pt (rank 0); the model after 3 steps is also exported to OUT_DIR/hf.
 """
 
@@ -64,8 +65,8 @@ def step_gradients(policy: FsdpPolicy) -> dict[str, torch.Tensor]:
 
 def main(model_dir: str, checkpoint_file: str, out_dir: str) -> None:
     policy = FsdpPolicy(model_dir, SETTINGS)
+    logprobs, _ = policy.logprobs(fixed_batch())
     rows = rank_rows(fixed_batch(), policy.rank, policy.world_size)
-    logprobs, _ = policy.logprobs(rows)
     gradients = step_gradients(policy)
     metrics = [policy.train_step(rows, token_mean_loss) for _ in range(STEPS)]
     trained = policy.full_state_dict()

@@ -481,3 +481,10 @@ async def test_wait_until_serving_names_the_address_on_timeout():
         port = running.port
     with pytest.raises(TimeoutError, match=f"127.0.0.1:{port} not SERVING"):
         await rpc.wait_until_serving(ClientConfig(address=f"127.0.0.1:{port}"), timeout_seconds=0.5)
+
+
+def test_a_channel_to_several_replicas_is_refused():
+    # Only the replica-aware callers (turnrl/replicas.py, trainer_svc/rollout_router.py) take
+    # a list; a plain channel to "a,b" would fail at its first call with a gRPC target error.
+    with pytest.raises(errors.ConfigError, match="names several replicas"):
+        rpc.open_channel(ClientConfig(address="127.0.0.1:1,127.0.0.1:2"))

@@ -1,0 +1,127 @@
+"""`turnrl run --launcher ray` on a real two-node Ray cluster on this machine (`ray start --head`
+and a second `ray start` joining it, each node with a resource of its own): 2 rollout replicas
+and 2 tool replicas, the trainer's 2 ranks on different nodes, one rollout replica killed in
+the middle of a step."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+
+from tests.conftest import EXAMPLE_CONFIG, spawn_turnrl
+
+RAY = str(Path(sys.executable).parent / "ray")
+NAMESPACE = "turnrl-test"
+STEPS = 3
+PROMPTS_PER_STEP = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A head node with resource node_a and a second node with node_b; yields the address."""
+    port = _free_port()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    common = ["--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats"]
+    subprocess.run(
+        [RAY, "start", "--head", f"--port={port}", *common, '--resources={"node_a": 8}'],
+        env=env, check=True, capture_output=True,
+    )  # fmt: skip
+    address = f"127.0.0.1:{port}"
+    try:
+        subprocess.run(
+            [RAY, "start", f"--address={address}", "--num-cpus=4", '--resources={"node_b": 8}'],
+            env=env, check=True, capture_output=True,
+        )  # fmt: skip
+        yield address
+    finally:
+        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True)
+
+
+def _metric_lines(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _kill_rollout_replica_and_locate_services(address: str) -> dict[str, str]:
+    """Kills the server of rollout replica 1 (kill -9, as a crash); returns each service
+    actor's node (node_a or node_b, by the node's own resource) by actor name."""
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        os.kill(ray.get(ray.get_actor("rollout:1").pid.remote()), signal.SIGKILL)
+        nodes = {
+            node["NodeID"]: next(r for r in node["Resources"] if r.startswith("node_"))
+            for node in ray.nodes()
+            if node["Alive"]
+        }
+        names = ["tool:0", "tool:1", "reward:0", "rollout:0", "rollout:1", "trainer:0", "trainer:1"]
+        placed = {}
+        for name in names:
+            node_id, _ = ray.get(ray.get_actor(name).node.remote())
+            placed[name] = nodes[node_id]
+        return placed
+    finally:
+        ray.shutdown()
+
+
+async def test_a_run_on_two_ray_nodes_survives_a_lost_rollout_replica(
+    ray_cluster, tmp_path, example_on_tiny_model
+):
+    run_dir = tmp_path / "ray-run"
+    process = await spawn_turnrl(
+        "run", "--config", str(EXAMPLE_CONFIG), "--launcher", "ray", *example_on_tiny_model,
+        f"launcher.ray.address={ray_cluster}", f"launcher.ray.namespace={NAMESPACE}",
+        "rollout.replicas=2", "tool.replicas=2",
+        "launcher.ray.rollout.resources.node_b=1", "launcher.ray.tool.resources.node_a=1",
+        "launcher.ray.tool.placement=strict_pack",
+        "trainer.ranks=2", "launcher.ray.trainer.placement=strict_spread",
+        f"trainer.output_dir={tmp_path}", "trainer.run_name=ray-run",
+        f"trainer.steps={STEPS}", "trainer.eval_every=0", "trainer.checkpoint_every=0",
+        f"trainer.rollout.prompts_per_step={PROMPTS_PER_STEP}",
+        "trainer.rollout.samples_per_prompt=4",
+        "trainer.data.generated_train_size=64", "trainer.data.generated_eval_size=4",
+    )  # fmt: skip
+    output = asyncio.gather(process.stdout.read(), process.stderr.read())
+    try:
+        async with asyncio.timeout(900):
+            while not _metric_lines(run_dir) and process.returncode is None:  # noqa: ASYNC110
+                await asyncio.sleep(0.2)
+            # The run's set-up is logged (step 0): step 1's rollout is under way.
+            placed = await asyncio.to_thread(_kill_rollout_replica_and_locate_services, ray_cluster)
+            _, stderr = await output
+            await process.wait()
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGINT)
+            await process.wait()
+    assert process.returncode == 0, stderr.decode()[-4000:]
+
+    # Resources put each service where it asked to be; the trainer's ranks on both nodes.
+    assert placed["rollout:0"] == placed["rollout:1"] == "node_b"
+    assert placed["tool:0"] == placed["tool:1"] == "node_a"
+    assert {placed["trainer:0"], placed["trainer:1"]} == {"node_a", "node_b"}
+
+    # The run trained every step; the lost replica's groups went to the other one.
+    lines = [line for line in _metric_lines(run_dir) if "router/live_replicas" in line]
+    assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
+    assert [line["router/live_replicas"] for line in lines] == [1] * STEPS
+    assert lines[0]["router/redispatched_groups"] >= 1
+
+    # Every prompt drawn was trained exactly once.
+    ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    trained = [key for line in ledger for key in line.get("trained", [])]
+    assert len(trained) == len(set(trained)) == STEPS * PROMPTS_PER_STEP

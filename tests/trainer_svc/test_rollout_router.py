@@ -1,0 +1,149 @@
+"""The trainer's rollout router against real rollout services: two `turnrl serve rollout`
+processes on the tiny model, sharing real tool and reward services on loopback."""
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator
+
+import pytest
+
+from tests.conftest import ServedProcess, serve_subprocess
+from tests.in_process_services import reward_service_address, tool_service_address
+from tests.rollout_svc.test_rollout_service import prompts
+from trainer_svc.rollout_router import RolloutRouter, engine_metrics
+from turnrl import errors
+from turnrl.config import ClientConfig
+from turnrl.v1 import common_pb2, rollout_pb2
+
+
+@contextlib.asynccontextmanager
+async def rollout_replicas(
+    tiny_model_dir, count: int, *overrides: str
+) -> AsyncIterator[list[ServedProcess]]:
+    """`count` rollout services on the tiny model, each its own process."""
+    async with (
+        tool_service_address() as tools,
+        reward_service_address() as rewards,
+        contextlib.AsyncExitStack() as stack,
+    ):
+        settings = [
+            f"rollout.model_path={tiny_model_dir}",
+            f"rollout.tool_service.address={tools}",
+            f"rollout.reward_service.address={rewards}",
+            *overrides,
+        ]
+        started = [serve_subprocess("rollout", *settings) for _ in range(count)]
+        yield list(await asyncio.gather(*(stack.enter_async_context(s) for s in started)))
+
+
+def request(count: int, n: int, max_new_tokens: int = 48) -> rollout_pb2.GenerateRequest:
+    return rollout_pb2.GenerateRequest(
+        prompts=prompts(count),
+        n=n,
+        enable_scoring=True,
+        sampling=common_pb2.SamplingParams(temperature=1.0, seed=3),
+        limits=common_pb2.LengthLimits(max_new_tokens=max_new_tokens),
+        request_id="router-test",
+    )
+
+
+async def test_groups_spread_over_replicas_by_load_and_come_back_whole(tiny_model_dir):
+    async with rollout_replicas(tiny_model_dir, 2) as replicas:
+        addresses = ",".join(replica.address for replica in replicas)
+        router = RolloutRouter(ClientConfig(address=addresses))
+        try:
+            trajectories = await router.generate(request(6, 2), timeout_seconds=300)
+            stats = await router.stats()
+        finally:
+            await router.close()
+    assert sorted(t.trajectory_id for t in trajectories) == sorted(
+        f"p{i}/{j}" for i in range(6) for j in range(2)
+    )
+    # Equal load: three groups each, every group whole on one replica.
+    assert [replica.trajectories for replica in router.replicas] == [6, 6]
+    assert [replica.in_flight for replica in router.replicas] == [0, 0]
+    assert [s.finished_trajectories for s in stats] == [6, 6]
+    assert engine_metrics(stats)["engine/tokens_generated"] == sum(
+        s.metrics["tokens_generated"] for s in stats
+    )
+    assert router.redispatched_groups == 0
+
+
+async def test_a_killed_replica_has_its_groups_dispatched_again(tiny_model_dir):
+    async with rollout_replicas(tiny_model_dir, 2) as replicas:
+        addresses = ",".join(replica.address for replica in replicas)
+        router = RolloutRouter(ClientConfig(address=addresses))
+        try:
+            call = asyncio.create_task(
+                router.generate(request(4, 2, max_new_tokens=256), timeout_seconds=300)
+            )
+            # Kill replica 1 once its trajectories are running there.
+            while router.replicas[1].in_flight < 4 or router.replicas[1].trajectories:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+            os.kill(replicas[1].process.pid, signal.SIGKILL)
+            trajectories = await call
+            members = await router.members_for_push()
+        finally:
+            await router.close()
+    # Every prompt's whole group came back, once; the lost replica's went to replica 0.
+    ids = sorted(t.trajectory_id for t in trajectories)
+    assert ids == sorted(f"p{i}/{j}" for i in range(4) for j in range(2))
+    assert router.redispatched_groups >= 1
+    assert router.replicas[0].trajectories == 8 - router.replicas[1].trajectories
+    assert [m.address for m in members] == [replicas[0].address]
+    assert not router.replicas[1].live
+
+
+def lost(address: str) -> errors.RpcError:
+    return errors.RpcUnavailableError(
+        "gone", method="/test", address=address, status="UNAVAILABLE", details="gone"
+    )
+
+
+async def test_a_lost_replica_that_answers_again_rejoins_at_the_push(tiny_model_dir):
+    async with rollout_replicas(tiny_model_dir, 1) as replicas:
+        unreachable = "127.0.0.1:1"  # nothing listens on port 1
+        router = RolloutRouter(ClientConfig(address=f"{replicas[0].address},{unreachable}"))
+        try:
+            for address in (replicas[0].address, unreachable):
+                router.lose(address, lost(address))
+            with pytest.raises(errors.UnavailableError, match="no rollout replica is live"):
+                await router.generate(request(1, 1), timeout_seconds=60)
+            members = await router.members_for_push()
+            trajectories = await router.generate(request(2, 1), timeout_seconds=300)
+        finally:
+            await router.close()
+    assert [m.address for m in members] == [replicas[0].address]
+    assert len(trajectories) == 2 and router.replicas[0].trajectories == 2
+
+
+async def test_a_request_error_is_raised_not_dispatched_again(tiny_model_dir):
+    async with rollout_replicas(tiny_model_dir, 2) as replicas:
+        router = RolloutRouter(ClientConfig(address=",".join(r.address for r in replicas)))
+        bad = request(2, 1)
+        bad.limits.max_new_tokens = 10**6  # past the engine's context: INVALID_ARGUMENT
+        try:
+            with pytest.raises(errors.InvalidArgumentError):
+                await router.generate(bad, timeout_seconds=60)
+        finally:
+            await router.close()
+    assert all(replica.live for replica in router.replicas)
+    assert router.redispatched_groups == 0
+
+
+async def test_an_unavailable_sent_by_a_replica_that_answers_is_not_a_lost_replica(
+    tiny_model_dir,
+):
+    # Its tool service is unreachable: Generate fails with UNAVAILABLE from the replica itself.
+    async with rollout_replicas(tiny_model_dir, 1, "rollout.tool_service.address=127.0.0.1:1") as (
+        replica,
+    ):
+        router = RolloutRouter(ClientConfig(address=replica.address))
+        try:
+            with pytest.raises(errors.UnavailableError, match="ListTools"):
+                await router.generate(request(1, 1), timeout_seconds=60)
+        finally:
+            await router.close()
+    assert router.replicas[0].live and router.redispatched_groups == 0
