@@ -129,11 +129,12 @@ def kill_tree(pid: int) -> None:
 
 @contextlib.asynccontextmanager
 async def serve_subprocess(
-    service: str, *overrides: str, env: dict[str, str] | None = None
+    service: str, *overrides: str, env: dict[str, str] | None = None, port: int = 0
 ) -> AsyncIterator[ServedProcess]:
-    """Starts `turnrl serve SERVICE --port 0` and yields it once it printed its address. Its
-    output is read (and dropped) while it serves: a child that fills an unread pipe blocks."""
-    process = await spawn_turnrl("serve", service, "--port", "0", *overrides, env=env)
+    """Starts `turnrl serve SERVICE --port PORT` (0: a free one) and yields it once it printed
+    its address. Its output is read (and dropped) while it serves: a child that fills an
+    unread pipe blocks."""
+    process = await spawn_turnrl("serve", service, "--port", str(port), *overrides, env=env)
     drained = None
     try:
         metrics_url = None

@@ -3,8 +3,10 @@ processes on the tiny model, sharing real tool and reward services on loopback."
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
+import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -12,10 +14,23 @@ import pytest
 from tests.conftest import ServedProcess, serve_subprocess
 from tests.in_process_services import reward_service_address, tool_service_address
 from tests.rollout_svc.test_rollout_service import prompts
+from tests.trainer_svc.runs import follow, run_config
 from trainer_svc.rollout_router import RolloutRouter, engine_metrics
-from turnrl import errors
+from turnrl import errors, rpc
 from turnrl.config import ClientConfig
-from turnrl.v1 import common_pb2, rollout_pb2
+from turnrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+
+
+@contextlib.asynccontextmanager
+async def rollout_settings(tiny_model_dir) -> AsyncIterator[list[str]]:
+    """Real tool and reward services in this process; yields the overrides of a rollout
+    service on the tiny model that calls them."""
+    async with tool_service_address() as tools, reward_service_address() as rewards:
+        yield [
+            f"rollout.model_path={tiny_model_dir}",
+            f"rollout.tool_service.address={tools}",
+            f"rollout.reward_service.address={rewards}",
+        ]
 
 
 @contextlib.asynccontextmanager
@@ -23,18 +38,8 @@ async def rollout_replicas(
     tiny_model_dir, count: int, *overrides: str
 ) -> AsyncIterator[list[ServedProcess]]:
     """`count` rollout services on the tiny model, each its own process."""
-    async with (
-        tool_service_address() as tools,
-        reward_service_address() as rewards,
-        contextlib.AsyncExitStack() as stack,
-    ):
-        settings = [
-            f"rollout.model_path={tiny_model_dir}",
-            f"rollout.tool_service.address={tools}",
-            f"rollout.reward_service.address={rewards}",
-            *overrides,
-        ]
-        started = [serve_subprocess("rollout", *settings) for _ in range(count)]
+    async with rollout_settings(tiny_model_dir) as settings, contextlib.AsyncExitStack() as stack:
+        started = [serve_subprocess("rollout", *settings, *overrides) for _ in range(count)]
         yield list(await asyncio.gather(*(stack.enter_async_context(s) for s in started)))
 
 
@@ -147,3 +152,68 @@ async def test_an_unavailable_sent_by_a_replica_that_answers_is_not_a_lost_repli
         finally:
             await router.close()
     assert router.replicas[0].live and router.redispatched_groups == 0
+
+
+async def test_a_run_goes_on_without_a_killed_replica_which_rejoins_at_a_push(
+    tiny_model_dir, tmp_path
+):
+    # Replica 1 dies after step 1 and comes back at its address while the run goes on: the
+    # steps in between train on replica 0 alone; a push after its return forms the weight-sync
+    # group with both again, and the next steps use both. The run is stopped once it has.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    async with (
+        rollout_settings(tiny_model_dir) as settings,
+        serve_subprocess("rollout", *settings) as first,
+        serve_subprocess("trainer", f"trainer.model_path={tiny_model_dir}") as trainer,
+        contextlib.AsyncExitStack() as stack,
+    ):
+        second = await stack.enter_async_context(serve_subprocess("rollout", *settings, port=port))
+        config = run_config(
+            {"rollout": f"{first.address},{second.address}"}, tmp_path, run_name="rejoin",
+            steps=1000, eval_every=0, checkpoint_every=0, wandb_mode="disabled",
+        )  # fmt: skip
+        run_dir = tmp_path / "rejoin"
+        async with rpc.open_channel(ClientConfig(address=trainer.address)) as channel:
+            stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+            await stub.StartRun(trainer_pb2.StartRunRequest(config_yaml=config), timeout=60)
+            async with asyncio.timeout(600):
+                await _until(run_dir, lambda live: len(live) >= 1)
+                os.kill(second.process.pid, signal.SIGKILL)
+                await _until(run_dir, lambda live: 1 in live)
+                back = await stack.enter_async_context(
+                    serve_subprocess("rollout", *settings, port=port)
+                )
+                await _until(run_dir, lambda live: live[-2:] == [2, 2])
+                stop = trainer_pb2.StopRunRequest(run_name="rejoin", save_checkpoint=False)
+                await stub.StopRun(stop, timeout=60)
+                await follow(stub, "rejoin")
+            request = trainer_pb2.GetRunRequest(run_name="rejoin")
+            run = (await stub.GetRun(request, timeout=10)).run
+        async with rpc.open_channel(ClientConfig(address=back.address)) as channel:
+            stats = await rollout_pb2_grpc.RolloutServiceStub(channel).GetStats(
+                rollout_pb2.GetStatsRequest(), timeout=10
+            )
+    assert run.state == trainer_pb2.Run.State.STATE_STOPPED, run.error_message
+    live = _live_replicas(run_dir)
+    assert live[0] == 2 and live.index(1) < len(live) - 2, live
+    # Back, it took the pushed weights and generated again.
+    assert stats.policy_version > 1 and stats.finished_trajectories > 0
+
+
+def _live_replicas(run_dir) -> list[float]:
+    """router/live_replicas of each step the run logged."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [
+        record["router/live_replicas"]
+        for record in map(json.loads, lines)
+        if "router/live_replicas" in record
+    ]
+
+
+async def _until(run_dir, condition) -> None:
+    """Returns once `condition` holds of the steps' live replica counts."""
+    while not condition(_live_replicas(run_dir)):  # noqa: ASYNC110
+        await asyncio.sleep(0.1)
