@@ -334,9 +334,10 @@ class TrainerConfig(StrictModel):
     ranks: int = Field(
         default=1,
         ge=1,
-        description="Processes the trainer service runs as, on this machine (torchrun "
-        "--nproc-per-node): the models are sharded across them (FSDP2) and each trains on its "
-        "share of every batch. A run must ask for the number its service runs.",
+        description="Processes the trainer service runs as: torchrun --nproc-per-node on this "
+        "machine, or one per rank on any nodes (the Ray launcher). The models are sharded "
+        "across them (FSDP2) and each computes its share of every batch. A run must ask for the "
+        "number its service runs.",
     )
     run_name: str = Field(default="calculator", min_length=1, description="Name of the run.")
     mode: Literal["rl", "sft"] = Field(

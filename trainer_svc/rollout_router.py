@@ -27,8 +27,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
 from turnrl import errors, rpc
 from turnrl.config import ClientConfig
 from turnrl.trajectory import Trajectory
@@ -48,7 +46,6 @@ class RolloutReplica:
 
     index: int  # place in `trainer.rollout_service.address`
     address: str
-    channel: grpc.aio.Channel
     stub: rollout_pb2_grpc.RolloutServiceStub
     in_flight: int = 0  # trajectories dispatched here and not yet back
     live: bool = True
@@ -66,11 +63,12 @@ class RolloutRouter:
     """Spreads Generate requests over the rollout replicas of one ClientConfig."""
 
     def __init__(self, config: ClientConfig) -> None:
-        self.replicas: list[RolloutReplica] = []
-        for index, address in enumerate(config.addresses()):
-            channel = rpc.open_channel(config.for_address(address))
-            stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-            self.replicas.append(RolloutReplica(index, address, channel, stub))
+        addresses = config.addresses()
+        self._channels = [rpc.open_channel(config.for_address(address)) for address in addresses]
+        self.replicas = [
+            RolloutReplica(index, address, rollout_pb2_grpc.RolloutServiceStub(channel))
+            for index, (address, channel) in enumerate(zip(addresses, self._channels, strict=True))
+        ]
         self._next = itertools.cycle(range(len(self.replicas)))
         self.redispatched_groups = 0  # since the router was made
 
@@ -228,8 +226,8 @@ class RolloutRouter:
         return replies
 
     async def close(self) -> None:
-        for replica in self.replicas:
-            await replica.channel.close()
+        for channel in self._channels:
+            await channel.close()
 
 
 def engine_metrics(stats: list[rollout_pb2.GetStatsResponse]) -> dict[str, float]:
