@@ -40,8 +40,9 @@ class WeightReceiver:
         group_name: str,
         timeout_seconds: float,
     ) -> None:
-        """Joins the group as `rank`. Raises InvalidArgumentError for bad ranks or backend,
-        TimeoutError when the others do not join within `timeout_seconds`."""
+        """Joins the group as `rank`, leaving the one it was in. Raises InvalidArgumentError for
+        bad ranks or backend, TimeoutError when the others do not join within
+        `timeout_seconds`."""
         if backend not in BACKENDS:
             raise InvalidArgumentError(f"backend {backend!r} is not one of {list(BACKENDS)}")
         if not 0 < rank < world_size:
@@ -56,6 +57,9 @@ class WeightReceiver:
                 return dist.ProcessGroupGloo(store, rank, world_size, timeout)
             return dist.ProcessGroupNCCL(store, rank, world_size)
 
+        if self._group is not None:  # the trainer formed a new group (its replicas changed)
+            self._group.shutdown()
+            self._group = None
         try:
             self._group = await asyncio.to_thread(connect)
         except RuntimeError as e:

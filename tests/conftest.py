@@ -5,6 +5,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -32,6 +33,13 @@ UP_TABLE_ROW = re.compile(
     r"((?:tool|reward|rollout|trainer)(?:#\d+)?)\s*│\s*(127\.0\.0\.1:\d+)\s*│\s*pid (\d+)"
 )
 STARTUP_TIMEOUT_SECONDS = 60.0
+
+
+def free_port() -> int:
+    """A loopback TCP port free now, for a server that must be started at a known port."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

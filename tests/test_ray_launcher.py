@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from tests.conftest import EXAMPLE_CONFIG, spawn_turnrl
+from tests.conftest import EXAMPLE_CONFIG, free_port, spawn_turnrl
 
 RAY = str(Path(sys.executable).parent / "ray")
 NAMESPACE = "turnrl-test"
@@ -23,16 +22,10 @@ STEPS = 3
 PROMPTS_PER_STEP = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A head node with resource node_a and a second node with node_b; yields the address."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     common = ["--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats"]
     subprocess.run(

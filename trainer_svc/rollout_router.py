@@ -84,14 +84,22 @@ class RolloutRouter:
         reason than a lost replica."""
         pending = list(request.prompts)
         trajectories: list[Trajectory] = []
-        for attempt in itertools.count():
+        attempt = 0
+        while True:
             plan = self._assign(pending, request.n)
-            results = await asyncio.gather(
-                *(
+            calls = [
+                asyncio.ensure_future(
                     self._call(replica, request, prompts, attempt, timeout_seconds)
-                    for replica, prompts in plan.items()
                 )
-            )
+                for replica, prompts in plan.items()
+            ]
+            try:
+                results = await asyncio.gather(*calls)
+            except Exception:  # the request's own error: the other calls are of no use
+                for call in calls:
+                    call.cancel()
+                await asyncio.gather(*calls, return_exceptions=True)
+                raise
             pending = [prompt for result in results for prompt in result.unfinished]
             trajectories += [t for result in results for t in result.trajectories]
             if not pending:
@@ -102,7 +110,7 @@ class RolloutRouter:
                 request.request_id,
                 len(pending),
             )
-        raise AssertionError("unreachable")
+            attempt += 1
 
     def _assign(
         self, prompts: Sequence[rollout_pb2.RolloutPrompt], n: int

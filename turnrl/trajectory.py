@@ -12,6 +12,7 @@ masks against the segments), and the trainer builds its tensors from the same fi
 
 import array
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,20 +102,21 @@ class Trajectory:
     @property
     def loss_mask(self) -> list[bool]:
         """True on model-sampled tokens only."""
-        return [
-            segment.source is SegmentSource.MODEL
-            for segment in self.segments
-            for _ in segment.token_ids
-        ]
+        return self._mask_of(lambda source: source is SegmentSource.MODEL)
 
     @property
     def response_mask(self) -> list[bool]:
         """True on every token after the prompt."""
-        return [
-            segment.source is not SegmentSource.PROMPT
-            for segment in self.segments
-            for _ in segment.token_ids
-        ]
+        return self._mask_of(lambda source: source is not SegmentSource.PROMPT)
+
+    def _mask_of(self, marks: Callable[[SegmentSource], bool]) -> list[bool]:
+        """One flag per token, its segment's; built a segment at a time, since `from_proto`
+        checks both masks of every trajectory the trainer receives (per token, 80% of its time
+        on 9k-token trajectories)."""
+        mask: list[bool] = []
+        for segment in self.segments:
+            mask += [marks(segment.source)] * len(segment.token_ids)
+        return mask
 
     @property
     def rollout_logprobs(self) -> list[float]:

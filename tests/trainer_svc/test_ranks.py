@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,16 +23,10 @@ from trainer_svc.ranks import Models
 from turnrl import rpc
 from turnrl.config import REPO_ROOT, ClientConfig
 
-from ..conftest import EXAMPLE_CONFIG
+from ..conftest import EXAMPLE_CONFIG, free_port
 
 RANKS = 2
 TIMEOUT_SECONDS = 120
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @contextlib.asynccontextmanager

@@ -6,12 +6,11 @@ import contextlib
 import json
 import os
 import signal
-import socket
 from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.conftest import ServedProcess, serve_subprocess
+from tests.conftest import ServedProcess, free_port, serve_subprocess
 from tests.in_process_services import reward_service_address, tool_service_address
 from tests.rollout_svc.test_rollout_service import prompts
 from tests.trainer_svc.runs import follow, run_config
@@ -160,9 +159,7 @@ async def test_a_run_goes_on_without_a_killed_replica_which_rejoins_at_a_push(
     # Replica 1 dies after step 1 and comes back at its address while the run goes on: the
     # steps in between train on replica 0 alone; a push after its return forms the weight-sync
     # group with both again, and the next steps use both. The run is stopped once it has.
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     async with (
         rollout_settings(tiny_model_dir) as settings,
         serve_subprocess("rollout", *settings) as first,
