@@ -6,6 +6,7 @@ the middle of a step."""
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,8 +14,12 @@ from pathlib import Path
 
 import pytest
 import ray
+import yaml
 
 from tests.conftest import EXAMPLE_CONFIG, free_port, spawn_turnrl
+from turnrl import rpc
+from turnrl.config import ClientConfig
+from turnrl.v1 import rollout_pb2, rollout_pb2_grpc
 
 RAY = str(Path(sys.executable).parent / "ray")
 NAMESPACE = "turnrl-test"
@@ -50,25 +55,42 @@ def _metric_lines(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _kill_rollout_replica_and_locate_services(address: str) -> dict[str, str]:
-    """Kills the server of rollout replica 1 (kill -9, as a crash); returns each service
-    actor's node (node_a or node_b, by the node's own resource) by actor name."""
+async def _kill_rollout_replica_mid_step(address: str, run_dir: Path) -> None:
+    """Kills the server of rollout replica 1 (kill -9, as a crash) once trajectories run there."""
+    while not (run_dir / "config.yaml").exists():  # noqa: ASYNC110
+        await asyncio.sleep(0.1)
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    replica = config["trainer"]["rollout_service"]["address"].split(",")[1]
+    async with rpc.open_channel(ClientConfig(address=replica)) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        request = rollout_pb2.GetStatsRequest()
+        while not (await stub.GetStats(request, timeout=10)).running_trajectories:  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+    await asyncio.to_thread(_on_cluster, address, _kill_rollout_replica_1)
+
+
+def _on_cluster(address: str, function):
+    """`function()` as a driver of the Ray cluster at `address`."""
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     try:
-        os.kill(ray.get(ray.get_actor("rollout:1").pid.remote()), signal.SIGKILL)
-        nodes = {
-            node["NodeID"]: next(r for r in node["Resources"] if r.startswith("node_"))
-            for node in ray.nodes()
-            if node["Alive"]
-        }
-        names = ["tool:0", "tool:1", "reward:0", "rollout:0", "rollout:1", "trainer:0", "trainer:1"]
-        placed = {}
-        for name in names:
-            node_id, _ = ray.get(ray.get_actor(name).node.remote())
-            placed[name] = nodes[node_id]
-        return placed
+        return function()
     finally:
         ray.shutdown()
+
+
+def _kill_rollout_replica_1() -> None:
+    os.kill(ray.get(ray.get_actor("rollout:1").pid.remote()), signal.SIGKILL)
+
+
+def _service_nodes() -> dict[str, str]:
+    """Each service actor's node (node_a or node_b, by the node's own resource), by name."""
+    nodes = {
+        node["NodeID"]: next(r for r in node["Resources"] if r.startswith("node_"))
+        for node in ray.nodes()
+        if node["Alive"]
+    }
+    names = ["tool:0", "tool:1", "reward:0", "rollout:0", "rollout:1", "trainer:0", "trainer:1"]
+    return {name: nodes[ray.get(ray.get_actor(name).node.remote())[0]] for name in names}
 
 
 async def test_a_run_on_two_ray_nodes_survives_a_lost_rollout_replica(
@@ -91,10 +113,8 @@ async def test_a_run_on_two_ray_nodes_survives_a_lost_rollout_replica(
     output = asyncio.gather(process.stdout.read(), process.stderr.read())
     try:
         async with asyncio.timeout(900):
-            while not _metric_lines(run_dir) and process.returncode is None:  # noqa: ASYNC110
-                await asyncio.sleep(0.2)
-            # The run's set-up is logged (step 0): step 1's rollout is under way.
-            placed = await asyncio.to_thread(_kill_rollout_replica_and_locate_services, ray_cluster)
+            await _kill_rollout_replica_mid_step(ray_cluster, run_dir)
+            placed = await asyncio.to_thread(_on_cluster, ray_cluster, _service_nodes)
             _, stderr = await output
             await process.wait()
     finally:
@@ -118,3 +138,33 @@ async def test_a_run_on_two_ray_nodes_survives_a_lost_rollout_replica(
     ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
     trained = [key for line in ledger for key in line.get("trained", [])]
     assert len(trained) == len(set(trained)) == STEPS * PROMPTS_PER_STEP
+
+
+async def test_up_check_on_ray_starts_checks_and_ends_every_actor(
+    ray_cluster, example_on_tiny_model
+):
+    process = await spawn_turnrl(
+        "up", "--config", str(EXAMPLE_CONFIG), "--launcher", "ray", "--check",
+        *example_on_tiny_model, f"launcher.ray.address={ray_cluster}",
+        f"launcher.ray.namespace={NAMESPACE}", "reward.replicas=2",
+    )  # fmt: skip
+    async with asyncio.timeout(300):
+        stdout, stderr = await process.communicate()
+    assert process.returncode == 0, stderr.decode()[-4000:]
+    table = stdout.decode()
+    assert "check passed" in table
+    for label in ("tool", "reward", "reward#1", "rollout", "trainer"):
+        assert re.search(rf"{re.escape(label)}\s*│\s*\S+:\d+\s*│\s*node ", table), table
+    assert await asyncio.to_thread(_on_cluster, ray_cluster, _named_actors) == []
+
+
+def _named_actors() -> list[str]:
+    """The service actors still alive in the test's namespace."""
+    alive = []
+    for name in ("tool:0", "reward:0", "reward:1", "rollout:0", "trainer:0"):
+        try:
+            ray.get_actor(name)
+        except ValueError:  # no such actor (any more)
+            continue
+        alive.append(name)
+    return alive
