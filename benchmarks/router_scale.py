@@ -286,9 +286,14 @@ class Run:
     engine_slot_steps: float
 
 
+async def never_lost(replica) -> None:
+    """The router's catch-up: no stand-in is ever lost here."""
+    raise AssertionError(f"stand-in replica {replica.address} was lost")
+
+
 async def measure(addresses: list[str], args: argparse.Namespace) -> Run:
     """One workload of N x batch x waves trajectories through a fresh router over `addresses`."""
-    router = TimedRouter(ClientConfig(address=",".join(addresses)))
+    router = TimedRouter(ClientConfig(address=",".join(addresses)), catch_up=never_lost)
     try:
         before = await router.stats()  # also opens every channel, outside the timing
         groups = len(addresses) * args.batch * args.waves // args.samples

@@ -149,12 +149,12 @@ class AgentLoop:
         if prompt.ground_truth is not None:
             json_format.ParseDict(prompt.ground_truth, scoring_input.ground_truth)
         scoring_input.extra_info.update(prompt.extra_info)
-        try:
-            with self.reward_replicas.call() as replica:
-                reply = await replica.stub.Score(
-                    reward_pb2.ScoreRequest(input=scoring_input),
-                    timeout=self.reward_timeout_seconds,
-                )
+        try:  # scoring is safe to repeat: tried again while the reward service restarts
+            reply = await self.reward_replicas.call_with_retries(
+                lambda stub: stub.Score,
+                reward_pb2.ScoreRequest(input=scoring_input),
+                timeout_seconds=self.reward_timeout_seconds,
+            )
         except RpcError as e:
             message = f"reward service: {e.status}: {e.details}"
             return common_pb2.Reward(error=True, error_message=message)

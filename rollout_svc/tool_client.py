@@ -4,6 +4,11 @@
 to one of them (`turnrl.replicas.ReplicaSet`), except that a session lives on the replica that
 created it, so every call naming the session goes there too. Every replica runs the same
 config, so any of them can list the tools.
+
+A call that finds the service UNAVAILABLE (down, or restarting) is tried again within its
+deadline, except a call of a session: the session died with the replica that held it. A call
+that was running when its replica died may so run twice; tools whose effects outside the
+sandbox must not repeat belong in sessions.
 """
 
 from turnrl.config import ClientConfig
@@ -20,8 +25,9 @@ class ToolClient:
     async def list_tools(
         self, request: tool_pb2.ListToolsRequest, timeout_seconds: float
     ) -> tool_pb2.ListToolsResponse:
-        with self._replicas.call() as replica:
-            return await replica.stub.ListTools(request, timeout=timeout_seconds)
+        return await self._replicas.call_with_retries(
+            lambda stub: stub.ListTools, request, timeout_seconds=timeout_seconds
+        )
 
     async def create_session(
         self, request: tool_pb2.CreateSessionRequest, timeout_seconds: float
@@ -35,9 +41,14 @@ class ToolClient:
     async def execute(
         self, request: tool_pb2.ExecuteRequest, timeout_seconds: float
     ) -> tool_pb2.ExecuteResponse:
-        """Runs the call on its session's replica, or on any for a call without a session."""
-        with self._replicas.call(request.session_id) as replica:
-            return await replica.stub.Execute(request, timeout=timeout_seconds)
+        """Runs the call on its session's replica, or on any for a call without a session
+        (tried again while the service is unavailable)."""
+        if request.session_id:
+            with self._replicas.call(request.session_id) as replica:
+                return await replica.stub.Execute(request, timeout=timeout_seconds)
+        return await self._replicas.call_with_retries(
+            lambda stub: stub.Execute, request, timeout_seconds=timeout_seconds
+        )
 
     async def release_session(
         self, request: tool_pb2.ReleaseSessionRequest, timeout_seconds: float

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from turnrl import rpc
+from turnrl.config import ClientConfig
+
 from .conftest import (
     EXAMPLE_CONFIG,
     FREE_PORTS,
@@ -75,23 +78,54 @@ async def test_up_starts_each_replica_and_points_the_rollout_replicas_at_all_pee
     assert not any(pid_alive(pid) for _, pid in rows.values())
 
 
-async def start_up() -> tuple[asyncio.subprocess.Process, dict[str, int]]:
+async def start_up(*overrides: str) -> tuple[asyncio.subprocess.Process, dict[str, int]]:
     """Starts `turnrl up` (supervising) and returns it once all four are SERVING, with pids."""
-    process = await spawn_turnrl("up", *FREE_PORTS, *SHORT_GRACE)
+    process, pids, _ = await start_up_with_addresses(*overrides)
+    return process, pids
+
+
+async def start_up_with_addresses(
+    *overrides: str,
+) -> tuple[asyncio.subprocess.Process, dict[str, int], dict[str, str]]:
+    """`start_up`, with each service's address too."""
+    process = await spawn_turnrl("up", *FREE_PORTS, *SHORT_GRACE, *overrides)
     pids: dict[str, int] = {}
+    addresses: dict[str, str] = {}
     async with asyncio.timeout(60):
         async for raw in process.stdout:
             line = raw.decode()
             if match := UP_TABLE_ROW.search(line):
                 pids[match.group(1)] = int(match.group(3))
+                addresses[match.group(1)] = match.group(2)
             if "Ctrl-C stops them" in line:
                 break
     assert set(pids) == set(SERVICE_NAMES)
-    return process, pids
+    return process, pids, addresses
 
 
-async def test_up_stops_everything_when_one_service_dies():
-    process, pids = await start_up()
+async def test_up_restarts_a_service_that_dies_at_its_address():
+    process, pids, addresses = await start_up_with_addresses()
+    os.kill(pids["reward"], signal.SIGKILL)
+    try:
+        async with asyncio.timeout(60):
+            # The reward service answers again where it was: a new process on the same port.
+            await asyncio.sleep(1.0)  # its back-off
+            await rpc.wait_until_serving(
+                ClientConfig(address=addresses["reward"]), timeout_seconds=60
+            )
+    finally:
+        process.send_signal(signal.SIGINT)
+        async with asyncio.timeout(60):
+            _, stderr = await process.communicate()
+    stderr = stderr.decode()
+    assert process.returncode == 0, stderr
+    assert "reward service (pid" in stderr and "killed by signal 9" in stderr
+    assert "restarting it in 1.0s (restart 1 of 5)" in stderr
+    assert not any(pid_alive(pid) for pid in pids.values())
+
+
+async def test_up_stops_everything_when_a_service_it_does_not_restart_dies():
+    process, pids = await start_up("launcher.restart.rollout.mode=never")
     os.kill(pids["rollout"], signal.SIGKILL)
     async with asyncio.timeout(30):
         _, stderr = await process.communicate()

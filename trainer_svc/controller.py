@@ -15,6 +15,7 @@ what this loop shares with the SFT loop (trainer_svc/sft.py): stop and checkpoin
 report, the end of the run.
 """
 
+import asyncio
 import logging
 import time
 from dataclasses import replace
@@ -71,9 +72,12 @@ class Controller(RunLoop):
         if state is not None:
             self._resume_from(state)
         self._open_report(state is not None, REWARD_PLOT)
-        self.router = RolloutRouter(config.rollout_service)
+        self.router = RolloutRouter(config.rollout_service, self._catch_up)
+        # A push and a catch-up both read the last push's weights, which a push rewrites.
+        self._push_lock = asyncio.Lock()
         self.pusher: WeightPusher | None = None
-        self._push_members: list[str] = []  # the addresses of the pusher's group
+        # The members of the pusher's group, as (address, losses) of each.
+        self._push_members: list[tuple[str, int]] = []
         self._pusher_groups = 0  # weight-sync groups formed in this run
         self._policy_version = 0  # the last weight version pushed
         try:
@@ -225,11 +229,15 @@ class Controller(RunLoop):
         replica and each lost one that is back (the weight-sync group is formed again when
         they changed). A replica lost during the push is left out and the push made again
         to the others."""
+        async with self._push_lock:
+            return await self._push_to_members()
+
+    async def _push_to_members(self) -> PushResult:
         bucket_size_bytes = self.config.weight_sync.bucket_size_mb * MIB
         weights = await self.ranks.run(gather_weights, bucket_size_bytes)
         while True:
             members = await self.router.members_for_push()
-            if self.pusher is None or [m.address for m in members] != self._push_members:
+            if self.pusher is None or _membership(members) != self._push_members:
                 await self._connect_pusher(members)
             stats = await self.router.stats()
             versions = [self._policy_version, *(s.policy_version for s in stats)]
@@ -239,6 +247,17 @@ class Controller(RunLoop):
             except errors.RpcError as e:
                 if e.status not in REPLICA_LOST_STATUSES or not self.router.lose(e.address, e):
                     raise
+
+    async def _catch_up(self, replica: RolloutReplica) -> None:
+        """Brings a rollout replica that came back (its launcher restarted it) the policy the
+        others serve, the last push's weights and version, as a gRPC stream; it joins the
+        weight-sync group at the next push."""
+        async with self._push_lock:
+            stats = await replica.stub.GetStats(rollout_pb2.GetStatsRequest(), timeout=30)
+            if stats.policy_version == self._policy_version:
+                return  # it never lost them
+            pusher = await WeightPusher.connect([replica.stub], mode="grpc")
+            await pusher.push(self.ranks.models.push_weights, self._policy_version)
 
     async def _connect_pusher(self, members: list[RolloutReplica]) -> None:
         """Forms the weight-sync group with `members` (each time under a new name: the
@@ -255,7 +274,7 @@ class Controller(RunLoop):
             timeout_seconds=sync.timeout_seconds,
             mode=sync.mode,
         )
-        self._push_members = [member.address for member in members]
+        self._push_members = _membership(members)
 
     async def _evaluate(self) -> None:
         if not self.held_out:
@@ -309,3 +328,9 @@ class Controller(RunLoop):
             "wall_seconds": round(wall_seconds, 1),
             "final_model": str(self.run_dir / FINAL_MODEL),
         }
+
+
+def _membership(members: list[RolloutReplica]) -> list[tuple[str, int]]:
+    """Who is in a weight-sync group: a replica lost since the group formed is a new process,
+    not a member, even back at its address."""
+    return [(member.address, member.losses) for member in members]

@@ -15,6 +15,9 @@ rollout replicas of `trainer.rollout_service` (its `address` lists them, comma-s
                 never trains on nothing.
     rejoin      a lost replica is asked again at each weight push (`members_for_push`): when it
                 answers it is a member of the next weight-sync group and takes groups again.
+                With no replica live, a request waits for a lost one to answer (its launcher
+                restarts it at its address), has it brought the current weights (`catch_up`)
+                and goes on; after REPLICA_RETURN_SECONDS it fails.
 
 Load is counted by the router itself (trajectories dispatched and not yet back), not polled
 from GetStats: it is exact for the trainer's own calls and costs no call.
@@ -23,7 +26,7 @@ from GetStats: it is exact for the trainer's own calls and costs no call.
 import asyncio
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +39,9 @@ log = logging.getLogger(__name__)
 
 # Statuses of a Generate call whose replica is gone rather than refusing the request.
 REPLICA_LOST_STATUSES = ("UNAVAILABLE", "CANCELLED")
+# How long a request waits for a lost replica to come back when none is live: a launcher's
+# restart (back-off, process start, model load) takes seconds to tens of seconds.
+REPLICA_RETURN_SECONDS = 180.0
 # Deadline of the GetStats that asks whether a replica is there.
 REJOIN_PROBE_TIMEOUT_SECONDS = 5.0
 
@@ -50,6 +56,9 @@ class RolloutReplica:
     in_flight: int = 0  # trajectories dispatched here and not yet back
     live: bool = True
     lost_calls: int = 0  # calls that failed because this replica was gone
+    # Times it was lost: a replica back at its address is another process, which holds none
+    # of the weight-sync groups its earlier self joined.
+    losses: int = 0
     trajectories: int = 0  # trajectories it returned
 
 
@@ -62,7 +71,14 @@ class _CallResult:
 class RolloutRouter:
     """Spreads Generate requests over the rollout replicas of one ClientConfig."""
 
-    def __init__(self, config: ClientConfig) -> None:
+    def __init__(
+        self,
+        config: ClientConfig,
+        catch_up: Callable[[RolloutReplica], Awaitable[None]],
+        return_seconds: float = REPLICA_RETURN_SECONDS,
+    ) -> None:
+        """`catch_up(replica)` brings a replica back from the lost the policy the others
+        serve, before it takes groups again."""
         addresses = config.addresses()
         self._channels = [rpc.open_channel(config.for_address(address)) for address in addresses]
         self.replicas = [
@@ -70,6 +86,9 @@ class RolloutRouter:
             for index, (address, channel) in enumerate(zip(addresses, self._channels, strict=True))
         ]
         self._next = itertools.cycle(range(len(self.replicas)))
+        self._catch_up = catch_up
+        self._return_seconds = return_seconds
+        self._returning = asyncio.Lock()  # one request at a time brings a replica back
         self.redispatched_groups = 0  # since the router was made
 
     def live(self) -> list[RolloutReplica]:
@@ -79,13 +98,15 @@ class RolloutRouter:
         self, request: rollout_pb2.GenerateRequest, *, timeout_seconds: float
     ) -> list[Trajectory]:
         """The trajectories of every prompt of `request` (samples `request.n` each), in the
-        order they came back. Raises UnavailableError when no replica is live (also after
-        losing the last one mid-request); the error of a call that failed for any other
-        reason than a lost replica."""
+        order they came back. Raises UnavailableError when no replica is live and none comes
+        back within `return_seconds`; the error of a call that failed for any other reason
+        than a lost replica."""
         pending = list(request.prompts)
         trajectories: list[Trajectory] = []
         attempt = 0
         while True:
+            if not self.live():
+                await self._wait_for_return()
             plan = self._assign(pending, request.n)
             calls = [
                 asyncio.ensure_future(
@@ -115,14 +136,9 @@ class RolloutRouter:
     def _assign(
         self, prompts: Sequence[rollout_pb2.RolloutPrompt], n: int
     ) -> dict[RolloutReplica, list[rollout_pb2.RolloutPrompt]]:
-        """Each prompt group to the least-loaded live replica, counting the groups assigned
-        before it; the load is taken at once (released as the call ends)."""
+        """Each prompt group to the least-loaded live replica (there is one), counting the
+        groups assigned before it; the load is taken at once (released as the call ends)."""
         live = self.live()
-        if not live:
-            raise errors.UnavailableError(
-                "no rollout replica is live: "
-                + ", ".join(f"{r.address} ({r.lost_calls} lost calls)" for r in self.replicas)
-            )
         plan: dict[RolloutReplica, list[rollout_pb2.RolloutPrompt]] = {}
         for prompt in prompts:
             start = next(self._next)
@@ -172,6 +188,7 @@ class RolloutRouter:
         replica.lost_calls += 1
         if replica.live:
             log.error("rollout replica %s lost: %s", replica.address, error)
+            replica.losses += 1
         replica.live = False
 
     def lose(self, address: str, error: errors.RpcError) -> bool:
@@ -182,6 +199,31 @@ class RolloutRouter:
                 self._lose(replica, error)
                 return True
         return False
+
+    async def _wait_for_return(self) -> None:
+        """Waits for a lost replica to answer, brings it the current weights and marks it
+        live; raises UnavailableError, naming the replicas, after `return_seconds`."""
+        async with self._returning:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self._return_seconds
+            while not self.live():
+                for replica in self.replicas:
+                    if await self._answers(replica):
+                        log.info(
+                            "rollout replica %s is back; bringing it the policy", replica.address
+                        )
+                        await self._catch_up(replica)
+                        replica.live = True
+                        return
+                if loop.time() > deadline:
+                    raise errors.UnavailableError(
+                        f"no rollout replica is live, and none came back in "
+                        f"{self._return_seconds:.0f}s: "
+                        + ", ".join(
+                            f"{r.address} ({r.lost_calls} lost calls)" for r in self.replicas
+                        )
+                    )
+                await asyncio.sleep(1.0)
 
     async def _answers(self, replica: RolloutReplica) -> bool:
         """Whether `replica` answers GetStats within REJOIN_PROBE_TIMEOUT_SECONDS."""

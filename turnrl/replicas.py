@@ -11,7 +11,7 @@ call fails as with a single service, and its caller decides what that means.
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -20,6 +20,11 @@ from turnrl.config import ClientConfig
 from turnrl.errors import UnavailableError
 
 S = TypeVar("S")
+R = TypeVar("R")
+# Tries of `call_with_retries`: with `rpc.call_idempotent`'s back-off (at most 2 s apart) enough
+# to ride out a service restarted by its launcher (seconds to tens of seconds), always within
+# the caller's deadline.
+RETRY_ATTEMPTS = 40
 # How long a replica that answered UNAVAILABLE is passed over, in seconds: long enough that a
 # dead replica costs one failed call per cooldown, short enough that a restarted one is soon
 # back in use.
@@ -76,6 +81,26 @@ class ReplicaSet(Generic[S]):
             replica.down_until = 0.0
         finally:
             replica.in_flight -= 1
+
+    async def call_with_retries(
+        self,
+        method: Callable[[S], Callable[..., Awaitable[R]]],
+        request: Any,
+        *,
+        timeout_seconds: float,
+        key: str = "",
+    ) -> R:
+        """`method(stub)(request)` on the replica `call(key)` chooses, retried on UNAVAILABLE
+        (each try choosing again: another replica, or this one restarted) until
+        `timeout_seconds` is spent. Only for calls that are safe to repeat."""
+
+        async def attempt(request: Any, timeout: float) -> R:  # noqa: ASYNC109 (a stub's signature)
+            with self.call(key) as replica:
+                return await method(replica.stub)(request, timeout=timeout)
+
+        return await rpc.call_idempotent(
+            attempt, request, timeout_seconds=timeout_seconds, max_attempts=RETRY_ATTEMPTS
+        )
 
     def _choose(self) -> Replica[S]:
         now = time.monotonic()

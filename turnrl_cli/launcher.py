@@ -42,7 +42,7 @@ async def up(config_path: Path | None, overrides: Sequence[str], check: bool) ->
                 return await _check(services, console)
             console.print(_table(services, {}))
             console.print(f"{len(services)} services SERVING; Ctrl-C stops them")
-            return await supervise(services, stop_requested, console)
+            return await supervise(services, project.launcher.restart, stop_requested, console)
     except ServiceDiedError as e:
         Console(stderr=True).print(f"[red]turnrl up: {e}[/red]", highlight=False)
         return 1
@@ -76,13 +76,36 @@ async def run(config_path: Path, overrides: Sequence[str], resume: bool) -> int:
                     )
                     return 1
                 console.print(f"run {reply.run.name!r} started in {reply.run.output_dir}")
-                return await follow_run(stub, reply.run, stop_requested, console)
+                supervisor = asyncio.create_task(
+                    _supervise_run(services, project, stop_requested, console)
+                )
+                try:
+                    code = await follow_run(stub, reply.run, stop_requested, console)
+                finally:  # before the services stop: none is started again on the way out
+                    supervisor.cancel()
+                gave_up = supervisor.done() and not supervisor.cancelled() and supervisor.result()
+                return 1 if gave_up else code
     except ServiceDiedError as e:
         console.print(f"[red]turnrl run: {e}[/red]", highlight=False)
         return 1
     except StartupInterruptedError:
         console.print("interrupted during start-up; stopped all services")
         return 0
+
+
+async def _supervise_run(
+    services: list[LaunchedService],
+    project: ProjectConfig,
+    stop_requested: asyncio.Event,
+    console: Console,
+) -> int:
+    """Restarts the run's services as their policies say; when one dies for good, stops the
+    run after its current step, with a checkpoint (`follow_run` sends StopRun), and returns 1:
+    a run never goes on without a service."""
+    code = await supervise(services, project.launcher.restart, stop_requested, console)
+    if code:
+        stop_requested.set()
+    return code
 
 
 @contextlib.asynccontextmanager

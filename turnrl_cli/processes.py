@@ -27,7 +27,7 @@ from rich.console import Console
 from turnrl import rpc
 from turnrl.config import ClientConfig, ServerConfig
 from turnrl.subprocesses import die_with_parent
-from turnrl_cli.project_config import ProjectConfig
+from turnrl_cli.project_config import ProjectConfig, RestartPolicies, RestartPolicy
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +57,16 @@ class LaunchedService(Protocol):
     replica: int  # the trainer's: its rank
     address: str  # "" for a trainer rank > 0, which serves nothing
     node_address: str  # the node it runs on; "" for this machine
+    restarts: int  # by the launcher's supervisor
 
     @property
     def label(self) -> str: ...
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status of its process once it ended (negative: killed by that signal)."""
+
+    async def restart(self) -> None: ...
 
     @property
     def where(self) -> str: ...
@@ -73,16 +80,44 @@ class LaunchedService(Protocol):
 
 @dataclass
 class ServiceProcess:
-    """One running child service."""
+    """One running child service, and how to start it again."""
 
     name: str
     server: ServerConfig
-    process: asyncio.subprocess.Process
+    command: list[str]  # `python -m turnrl_cli serve NAME ...`
+    env: dict[str, str] | None  # added to this process's environment
+    process: asyncio.subprocess.Process | None = None
     replica: int = 0
     address: str = ""
     node_address: str = ""  # this machine
+    restarts: int = 0
     log_tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
     log_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Starts the child process, its log copied to ours."""
+        self.process = await asyncio.create_subprocess_exec(
+            *self.command,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            # Own session: a terminal's Ctrl-C reaches only the launcher, which stops children
+            # in order.
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+            env=None if self.env is None else {**os.environ, **self.env},
+        )
+        self.log_task = asyncio.create_task(_forward_log(self))
+
+    async def restart(self) -> None:
+        """Starts the service again, at the address it had (its callers reconnect there), once
+        its process ended; raises ServiceDiedError when it fails to start."""
+        port = self.address.rpartition(":")[2]
+        if f"{self.name}.server.port={port}" not in self.command:
+            self.command.append(f"{self.name}.server.port={port}")
+        self.restarts += 1
+        await self.start()
+        await wait_ready(self)
 
     def client_config(self) -> ClientConfig:
         return launcher_client_config(self.server, self.address)
@@ -96,6 +131,10 @@ class ServiceProcess:
     def where(self) -> str:
         return f"pid {self.process.pid}"
 
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
     async def wait(self) -> None:
         """Returns when the child exits, its last output read."""
         await self.process.wait()
@@ -103,8 +142,9 @@ class ServiceProcess:
             await self.log_task
 
     def exit_description(self) -> str:
-        code = self.process.returncode
-        return exit_description(f"{self.label} service ({self.where})", code, self.log_tail)
+        return exit_description(
+            f"{self.label} service ({self.where})", self.returncode, self.log_tail
+        )
 
 
 def launcher_client_config(server: ServerConfig, address: str) -> ClientConfig:
@@ -221,18 +261,8 @@ async def spawn(
     command = [sys.executable, "-m", "turnrl_cli", "serve", name, *overrides]
     if config_path is not None:
         command[5:5] = ["--config", str(config_path)]
-    process = await asyncio.create_subprocess_exec(
-        *command,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        # Own session: a terminal's Ctrl-C reaches only the launcher, which stops children in order.
-        start_new_session=True,
-        preexec_fn=die_with_parent,
-        env=None if env is None else {**os.environ, **env},
-    )
-    service = ServiceProcess(name=name, server=server, process=process, replica=replica)
-    service.log_task = asyncio.create_task(_forward_log(service))
+    service = ServiceProcess(name, server, command, env, replica=replica)
+    await service.start()
     return service
 
 
@@ -298,25 +328,61 @@ def stop_on_signals() -> asyncio.Event:
 
 
 async def supervise(
-    services: Sequence[LaunchedService], stop_requested: asyncio.Event, console: Console
+    services: Sequence[LaunchedService],
+    restart: RestartPolicies,
+    stop_requested: asyncio.Event,
+    console: Console,
 ) -> int:
-    """Waits for `stop_requested` (0) or the first service to die (1, reported on stderr with
-    its exit status and last output); the caller's `local_services` (or `ray_services`) then
-    stops the rest."""
+    """Waits for `stop_requested` (0), starting each service that dies again as its `restart`
+    policy says (it reports why on stderr, with the exit status and the last output); 1 when
+    one dies that its policy does not restart. The caller's `local_services` (or
+    `ray_services`) then stops the rest."""
     waiters = {asyncio.create_task(s.wait()): s for s in services}
     stop_waiter = asyncio.create_task(stop_requested.wait())
-    done, _ = await asyncio.wait([stop_waiter, *waiters], return_when=asyncio.FIRST_COMPLETED)
-    for task in [stop_waiter, *waiters]:
-        task.cancel()
-    dead = [waiters[task] for task in done if task in waiters]
-    if dead:
-        Console(stderr=True).print(
-            f"[red]turnrl up: {dead[0].exit_description()}[/red]", highlight=False
-        )
-        console.print("stopping the other services")
-        return 1
-    console.print("stopping all services")
-    return 0
+    try:
+        while True:
+            done, _ = await asyncio.wait(
+                [stop_waiter, *waiters], return_when=asyncio.FIRST_COMPLETED
+            )
+            if stop_waiter in done:
+                console.print("stopping all services")
+                return 0
+            for task in done:
+                service = waiters.pop(task)
+                if not await _restarted(service, getattr(restart, service.name), stop_requested):
+                    Console(stderr=True).print(
+                        f"[red]turnrl: {service.exit_description()}[/red]", highlight=False
+                    )
+                    console.print("stopping the other services")
+                    return 1
+                waiters[asyncio.create_task(service.wait())] = service
+    finally:
+        for task in [stop_waiter, *waiters]:
+            task.cancel()
+
+
+async def _restarted(
+    service: LaunchedService, policy: RestartPolicy, stop_requested: asyncio.Event
+) -> bool:
+    """Starts a dead `service` again after its back-off, if `policy` allows; whether it did
+    (a start that fails counts as a restart: its death is seen at once)."""
+    if policy.mode == "never" or service.returncode == 0 or service.restarts >= policy.max_restarts:
+        return False
+    wait = min(policy.backoff_seconds * 2**service.restarts, policy.max_backoff_seconds)
+    Console(stderr=True).print(
+        f"[yellow]turnrl: {service.exit_description()}\nrestarting it in {wait:.1f}s "
+        f"(restart {service.restarts + 1} of {policy.max_restarts})[/yellow]",
+        highlight=False,
+    )
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop_requested.wait(), timeout=wait)
+    if stop_requested.is_set():
+        return True  # stopping anyway
+    try:
+        await service.restart()
+    except ServiceDiedError as e:
+        log.error("%s", e)
+    return True
 
 
 async def stop_processes(services: list[ServiceProcess]) -> None:

@@ -66,6 +66,40 @@ class RayLauncherConfig(StrictModel):
     )
 
 
+class RestartPolicy(StrictModel):
+    """What a launcher does when one of its services dies (compose's `restart:`)."""
+
+    mode: Literal["on-failure", "never"] = Field(
+        default="on-failure",
+        description="on-failure: start it again, at the same address, when it exits with an "
+        "error or a signal; never: stop every service (and the run) instead.",
+    )
+    max_restarts: int = Field(
+        default=5, ge=0, description="Restarts of one replica before the launcher gives up."
+    )
+    backoff_seconds: float = Field(
+        default=1.0, ge=0, description="Wait before the first restart; doubled for each next."
+    )
+    max_backoff_seconds: float = Field(
+        default=30.0, ge=0, description="The longest wait before a restart."
+    )
+
+
+class RestartPolicies(StrictModel):
+    """Each service's restart policy."""
+
+    tool: RestartPolicy = Field(default_factory=RestartPolicy, description="Each tool replica.")
+    reward: RestartPolicy = Field(default_factory=RestartPolicy, description="Each reward replica.")
+    rollout: RestartPolicy = Field(
+        default_factory=RestartPolicy, description="Each rollout replica."
+    )
+    trainer: RestartPolicy = Field(
+        default_factory=lambda: RestartPolicy(mode="never"),
+        description="The trainer: not restarted, since a trainer started again has lost its "
+        "run (`turnrl run --resume` continues it from its last checkpoint).",
+    )
+
+
 class LauncherConfig(StrictModel):
     """How `turnrl up` and `turnrl run` start the services."""
 
@@ -76,6 +110,12 @@ class LauncherConfig(StrictModel):
     )
     ray: RayLauncherConfig = Field(
         default_factory=RayLauncherConfig, description="The Ray cluster and each service's needs."
+    )
+    restart: RestartPolicies = Field(
+        default_factory=RestartPolicies,
+        description="Each service's restart policy. Its callers ride a restart out: the rollout "
+        "service tries tool and scoring calls again, the trainer's router waits for a rollout "
+        "replica to come back and brings it the current weights.",
     )
 
 

@@ -126,6 +126,8 @@ class RayService:
     node_address: str
     address: str = ""
     ended: tuple[int, list[str]] | None = None  # exit status and last output, once it ended
+    restarts: int = 0
+    start_args: tuple = ()  # ServiceActor.start's, from `_start`
 
     @property
     def label(self) -> str:
@@ -139,6 +141,27 @@ class RayService:
 
     def client_config(self) -> ClientConfig:
         return launcher_client_config(self.server, self.address)
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.ended is None else self.ended[0]
+
+    async def restart(self) -> None:
+        """Starts the service again in its actor, on its node at its address (its callers
+        reconnect there); raises ServiceDiedError when it fails to start, or when its actor
+        died with its node (a service elsewhere would have another address)."""
+        name, replica, server, config_path, overrides, env, serves = self.start_args
+        if self.address:
+            overrides = [*overrides, f"{name}.server.port={self.address.rpartition(':')[2]}"]
+        self.restarts += 1
+        self.ended = None
+        try:
+            await self.actor.start.remote(
+                name, replica, server, config_path, overrides, env, serves
+            )
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+            self.ended = (-9, [f"restart failed: {e}"])
+            raise ServiceDiedError(f"{self.label} service ({self.where}): {e}") from None
 
     async def wait(self) -> None:
         """Returns when the service's process exits, or its actor (or node) dies."""
@@ -280,10 +303,11 @@ async def _start(placed: list[RayService], config_path: str | None, overrides: l
             own.append(f"{name}.server.metrics_port=0")
         env = {**rendezvous, "RANK": str(service.replica)} if rendezvous else {}
         serves = name != "trainer" or service.replica == 0
+        service.start_args = (
+            name, service.replica, service.server, config_path, [*overrides, *own], env, serves
+        )  # fmt: skip
         try:
-            service.address = await service.actor.start.remote(
-                name, service.replica, service.server, config_path, [*overrides, *own], env, serves
-            )
+            service.address = await service.actor.start.remote(*service.start_args)
         except ray.exceptions.RayTaskError as e:
             raise ServiceDiedError(
                 f"{service.label} service ({service.where}) failed to start: {e.cause}"

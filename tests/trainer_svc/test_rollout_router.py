@@ -56,7 +56,7 @@ def request(count: int, n: int, max_new_tokens: int = 48) -> rollout_pb2.Generat
 async def test_groups_spread_over_replicas_by_load_and_come_back_whole(tiny_model_dir):
     async with rollout_replicas(tiny_model_dir, 2) as replicas:
         addresses = ",".join(replica.address for replica in replicas)
-        router = RolloutRouter(ClientConfig(address=addresses))
+        router = RolloutRouter(ClientConfig(address=addresses), no_catch_up)
         try:
             trajectories = await router.generate(request(6, 2), timeout_seconds=300)
             stats = await router.stats()
@@ -78,7 +78,7 @@ async def test_groups_spread_over_replicas_by_load_and_come_back_whole(tiny_mode
 async def test_a_killed_replica_has_its_groups_dispatched_again(tiny_model_dir):
     async with rollout_replicas(tiny_model_dir, 2) as replicas:
         addresses = ",".join(replica.address for replica in replicas)
-        router = RolloutRouter(ClientConfig(address=addresses))
+        router = RolloutRouter(ClientConfig(address=addresses), no_catch_up)
         try:
             call = asyncio.create_task(
                 router.generate(request(4, 2, max_new_tokens=256), timeout_seconds=300)
@@ -100,6 +100,10 @@ async def test_a_killed_replica_has_its_groups_dispatched_again(tiny_model_dir):
     assert not router.replicas[1].live
 
 
+async def no_catch_up(replica) -> None:
+    raise AssertionError(f"{replica.address} was not lost")
+
+
 def lost(address: str) -> errors.RpcError:
     return errors.RpcUnavailableError(
         "gone", method="/test", address=address, status="UNAVAILABLE", details="gone"
@@ -109,12 +113,12 @@ def lost(address: str) -> errors.RpcError:
 async def test_a_lost_replica_that_answers_again_rejoins_at_the_push(tiny_model_dir):
     async with rollout_replicas(tiny_model_dir, 1) as replicas:
         unreachable = "127.0.0.1:1"  # nothing listens on port 1
-        router = RolloutRouter(ClientConfig(address=f"{replicas[0].address},{unreachable}"))
+        router = RolloutRouter(
+            ClientConfig(address=f"{replicas[0].address},{unreachable}"), no_catch_up
+        )
         try:
             for address in (replicas[0].address, unreachable):
                 router.lose(address, lost(address))
-            with pytest.raises(errors.UnavailableError, match="no rollout replica is live"):
-                await router.generate(request(1, 1), timeout_seconds=60)
             members = await router.members_for_push()
             trajectories = await router.generate(request(2, 1), timeout_seconds=300)
         finally:
@@ -123,9 +127,38 @@ async def test_a_lost_replica_that_answers_again_rejoins_at_the_push(tiny_model_
     assert len(trajectories) == 2 and router.replicas[0].trajectories == 2
 
 
+async def test_with_every_replica_lost_a_request_waits_for_one_to_come_back(tiny_model_dir):
+    caught_up = []
+
+    async def catch_up(replica) -> None:
+        caught_up.append(replica.address)
+
+    async with rollout_replicas(tiny_model_dir, 1) as replicas:
+        unreachable = "127.0.0.1:1"  # nothing listens on port 1
+        router = RolloutRouter(
+            ClientConfig(address=f"{unreachable},{replicas[0].address}"), catch_up
+        )
+        alone = RolloutRouter(ClientConfig(address=unreachable), catch_up, return_seconds=2)
+        try:
+            for address in (replicas[0].address, unreachable):
+                router.lose(address, lost(address))
+            # The one that answers is brought the policy first, then takes the groups.
+            trajectories = await router.generate(request(2, 1), timeout_seconds=300)
+            alone.lose(unreachable, lost(unreachable))
+            with pytest.raises(errors.UnavailableError, match="none came back in 2s"):
+                await alone.generate(request(1, 1), timeout_seconds=60)
+        finally:
+            await router.close()
+            await alone.close()
+    assert caught_up == [replicas[0].address]
+    assert len(trajectories) == 2 and router.replicas[1].trajectories == 2
+
+
 async def test_a_request_error_is_raised_not_dispatched_again(tiny_model_dir):
     async with rollout_replicas(tiny_model_dir, 2) as replicas:
-        router = RolloutRouter(ClientConfig(address=",".join(r.address for r in replicas)))
+        router = RolloutRouter(
+            ClientConfig(address=",".join(r.address for r in replicas)), no_catch_up
+        )
         bad = request(2, 1)
         bad.limits.max_new_tokens = 10**6  # past the engine's context: INVALID_ARGUMENT
         try:
@@ -144,7 +177,7 @@ async def test_an_unavailable_sent_by_a_replica_that_answers_is_not_a_lost_repli
     async with rollout_replicas(tiny_model_dir, 1, "rollout.tool_service.address=127.0.0.1:1") as (
         replica,
     ):
-        router = RolloutRouter(ClientConfig(address=replica.address))
+        router = RolloutRouter(ClientConfig(address=replica.address), no_catch_up)
         try:
             with pytest.raises(errors.UnavailableError, match="ListTools"):
                 await router.generate(request(1, 1), timeout_seconds=60)
