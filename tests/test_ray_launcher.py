@@ -17,13 +17,13 @@ import ray
 import yaml
 
 from tests.conftest import EXAMPLE_CONFIG, free_port, spawn_turnrl
-from turnrl import rpc
+from turnrl import errors, rpc
 from turnrl.config import ClientConfig
 from turnrl.v1 import rollout_pb2, rollout_pb2_grpc
 
 RAY = str(Path(sys.executable).parent / "ray")
 NAMESPACE = "turnrl-test"
-STEPS = 3
+STEPS = 6
 PROMPTS_PER_STEP = 4
 
 
@@ -55,8 +55,9 @@ def _metric_lines(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-async def _kill_rollout_replica_mid_step(address: str, run_dir: Path) -> None:
-    """Kills the server of rollout replica 1 (kill -9, as a crash) once trajectories run there."""
+async def _kill_rollout_replica_mid_step(address: str, run_dir: Path) -> str:
+    """Kills the server of rollout replica 1 (kill -9, as a crash) once trajectories run
+    there; returns its address."""
     while not (run_dir / "config.yaml").exists():  # noqa: ASYNC110
         await asyncio.sleep(0.1)
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -67,6 +68,20 @@ async def _kill_rollout_replica_mid_step(address: str, run_dir: Path) -> None:
         while not (await stub.GetStats(request, timeout=10)).running_trajectories:  # noqa: ASYNC110
             await asyncio.sleep(0.02)
     await asyncio.to_thread(_on_cluster, address, _kill_rollout_replica_1)
+    return replica
+
+
+async def _answers_again(replica: str) -> None:
+    """Returns once the rollout replica at `replica` answers again: its launcher restarted it
+    where it was."""
+    async with rpc.open_channel(ClientConfig(address=replica)) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        while True:
+            try:
+                await stub.GetStats(rollout_pb2.GetStatsRequest(), timeout=5)
+                return
+            except errors.UnavailableError:
+                await asyncio.sleep(0.2)
 
 
 def _on_cluster(address: str, function):
@@ -100,7 +115,7 @@ async def test_a_run_on_two_ray_nodes_survives_a_lost_rollout_replica(
     process = await spawn_turnrl(
         "run", "--config", str(EXAMPLE_CONFIG), "--launcher", "ray", *example_on_tiny_model,
         f"launcher.ray.address={ray_cluster}", f"launcher.ray.namespace={NAMESPACE}",
-        "rollout.replicas=2", "tool.replicas=2",
+        "rollout.replicas=2", "tool.replicas=2", "launcher.restart.rollout.backoff_seconds=0",
         "launcher.ray.rollout.resources.node_b=1", "launcher.ray.tool.resources.node_a=1",
         "launcher.ray.tool.placement=strict_pack",
         "trainer.ranks=2", "launcher.ray.trainer.placement=strict_spread",
@@ -113,8 +128,9 @@ async def test_a_run_on_two_ray_nodes_survives_a_lost_rollout_replica(
     output = asyncio.gather(process.stdout.read(), process.stderr.read())
     try:
         async with asyncio.timeout(900):
-            await _kill_rollout_replica_mid_step(ray_cluster, run_dir)
+            killed = await _kill_rollout_replica_mid_step(ray_cluster, run_dir)
             placed = await asyncio.to_thread(_on_cluster, ray_cluster, _service_nodes)
+            await _answers_again(killed)
             _, stderr = await output
             await process.wait()
     finally:
@@ -128,11 +144,14 @@ async def test_a_run_on_two_ray_nodes_survives_a_lost_rollout_replica(
     assert placed["tool:0"] == placed["tool:1"] == "node_a"
     assert {placed["trainer:0"], placed["trainer:1"]} == {"node_a", "node_b"}
 
-    # The run trained every step; the lost replica's groups went to the other one.
+    # The run trained every step; the lost replica's groups went to the other one, and its
+    # actor started its server again, on its node at its address.
     lines = [line for line in _metric_lines(run_dir) if "router/live_replicas" in line]
     assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
-    assert [line["router/live_replicas"] for line in lines] == [1] * STEPS
+    assert lines[0]["router/live_replicas"] == 1
     assert lines[0]["router/redispatched_groups"] >= 1
+    log = stderr.decode()
+    assert "rollout#1 service (node" in log and "restarting it in 0.0s" in log, log[-4000:]
 
     # Every prompt drawn was trained exactly once.
     ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
