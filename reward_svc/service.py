@@ -178,7 +178,12 @@ class RewardService:
         try:
             while (result := await results.get()) is not None:
                 yield result
-            producer.result()  # a broken input stream raises here
+            try:
+                producer.result()  # a broken input stream raises here
+            except ExceptionGroup as group:
+                # The TaskGroup wraps what the stream raised (a bad item's InvalidArgumentError,
+                # which must reach the caller as itself); scoring tasks raise nothing.
+                raise group.exceptions[0] from None
         finally:
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)

@@ -9,7 +9,9 @@ becomes an entry of `ParsedTurn.errors` saying what was wrong, with the offendin
 agent loop can answer it with a tool error the model learns from. A call is well formed when
 it is a JSON object with a string `name` and an object of arguments; `arguments` is handed on
 as JSON text (`json.dumps(obj, ensure_ascii=False)`, the same text the chat templates render),
-because the tool service takes text. NaN and Infinity are not JSON and count as malformed.
+because the tool service takes text. NaN and Infinity are not JSON and count as malformed, as
+do a number too large for a float (`1e999`, which would come back as Infinity) and a string
+escaping half of a surrogate pair (`"\\ud800"`, which no UTF-8 text, so no request, can hold).
 
 Calls written while thinking (`<tool_call>` inside `<think>...</think>`, which Qwen3 models
 sometimes do) are parsed and run like any other call, as verl and SGLang do. The rollout
@@ -19,6 +21,7 @@ trajectory on a turn the model meant as a tool call.
 """
 
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,7 +57,14 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
 
-_JSON = json.JSONDecoder(parse_constant=_reject_constant)
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:20]} is out of range")
+    return value
+
+
+_JSON = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
 
 
 def _clipped(text: str) -> str:
@@ -94,6 +104,10 @@ def _validated_call(
     if not isinstance(value[key], dict):
         return _malformed(f"{key!r} is a JSON {_json_type(value[key])}, not an object", text)
     arguments = json.dumps(value[key], ensure_ascii=False)
+    try:
+        (value["name"] + arguments).encode()
+    except UnicodeEncodeError:
+        return _malformed("a \\u escape of half a surrogate pair is not text", text)
     return ParsedToolCall(id=f"call_{index}", name=value["name"], arguments=arguments)
 
 

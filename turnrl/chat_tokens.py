@@ -51,7 +51,7 @@ about 7 ms with ten tool schemas and a 2 KB tool result), so async callers run i
 import hashlib
 import inspect
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,9 @@ class ConversationTokens:
     `<|user|>` and `<|observation|>`, gpt-oss on `<|call|>` and `<|return|>`). Each should be a
     token the template writes where an assistant turn ends: the delta starts after its first
     copy past the base.
+
+    Message text must be Unicode: a string holding a lone surrogate (what a JSON `"\\ud800"`
+    escape reads as), which no tokenizer encodes, is refused with InvalidArgumentError.
     """
 
     def __init__(
@@ -265,6 +268,7 @@ class ConversationTokens:
         return output_ids[-1] in self._stop_token_ids
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        _require_unicode(messages)
         return self._tokenizer.apply_chat_template(
             messages,
             tools=self._tools,
@@ -281,6 +285,34 @@ class ConversationTokens:
             return f"the chat template of {self._tokenizer.name_or_path!r}"
         digest = hashlib.sha256(self._chat_template.encode()).hexdigest()[:12]
         return f"chat template sha256:{digest}"
+
+
+def _require_unicode(messages: list[dict]) -> None:
+    """Raises InvalidArgumentError for a message whose text holds a lone surrogate: the
+    tokenizer would fail on it with a TypeError that does not say why."""
+    for message in messages:
+        for text in _strings(message):
+            try:
+                text.encode()
+            except UnicodeEncodeError as e:
+                raise InvalidArgumentError(
+                    f"a {message.get('role')!r} message holds a lone surrogate "
+                    f"{text[e.start]!r} at char {e.start} of {text[:40]!r}; message text must "
+                    "be Unicode"
+                ) from None
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a message: keys and values, nested ones too."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _strings(item)
 
 
 def _first_difference(left: list[int], right: list[int]) -> int:
