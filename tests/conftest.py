@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -33,6 +34,13 @@ UP_TABLE_ROW = re.compile(
     r"((?:tool|reward|rollout|trainer)(?:#\d+)?)\s*│\s*(127\.0\.0\.1:\d+)\s*│\s*pid (\d+)"
 )
 STARTUP_TIMEOUT_SECONDS = 60.0
+
+
+def ledger_keys(run_dir: Path, outcome: str) -> list[str]:
+    """The prompt keys the run's ledger (`ledger.jsonl`) records as `outcome` ("trained",
+    "filtered", "unused"), over all its steps."""
+    lines = (run_dir / "ledger.jsonl").read_text().splitlines()
+    return [key for line in lines for key in json.loads(line).get(outcome, [])]
 
 
 def free_port() -> int:

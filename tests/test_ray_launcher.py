@@ -16,7 +16,7 @@ import pytest
 import ray
 import yaml
 
-from tests.conftest import EXAMPLE_CONFIG, free_port, spawn_turnrl
+from tests.conftest import EXAMPLE_CONFIG, free_port, ledger_keys, spawn_turnrl
 from turnrl import errors, rpc
 from turnrl.config import ClientConfig
 from turnrl.v1 import rollout_pb2, rollout_pb2_grpc
@@ -154,8 +154,7 @@ async def test_a_run_on_two_ray_nodes_survives_a_lost_rollout_replica(
     assert "rollout#1 service (node" in log and "restarting it in 0.0s" in log, log[-4000:]
 
     # Every prompt drawn was trained exactly once.
-    ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
-    trained = [key for line in ledger for key in line.get("trained", [])]
+    trained = ledger_keys(run_dir, "trained")
     assert len(trained) == len(set(trained)) == STEPS * PROMPTS_PER_STEP
 
 

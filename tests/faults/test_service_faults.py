@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import EXAMPLE_CONFIG, FREE_PORTS, children, spawn_turnrl
+from tests.conftest import EXAMPLE_CONFIG, FREE_PORTS, children, ledger_keys, spawn_turnrl
 from turnrl import rpc
 from turnrl.config import ClientConfig
 from turnrl.v1 import rollout_pb2, rollout_pb2_grpc
@@ -83,10 +83,9 @@ async def test_a_service_killed_mid_step_is_restarted_and_the_run_loses_nothing(
     # Every planned step trained, on every prompt drawn, each exactly once.
     lines = _metric_lines(run_dir)
     assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
-    ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
-    trained = [key for line in ledger for key in line.get("trained", [])]
+    trained = ledger_keys(run_dir, "trained")
     assert len(trained) == len(set(trained)) == STEPS * PROMPTS_PER_STEP
-    assert not [key for line in ledger for key in line.get("filtered", [])]
+    assert not ledger_keys(run_dir, "filtered")
     # No trajectory was scored 0 for the fault: the calls were tried again, or the lost
     # rollout service's groups rolled out again on its restart.
     assert all(line["rollout/infra_failed_trajectories"] == 0 for line in lines)
