@@ -6,7 +6,7 @@ Errors are raised as `turnrl.errors` exceptions and mapped to status codes by `t
 import json
 from collections.abc import AsyncIterator, Sequence
 
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import struct_pb2
 
 from reward_svc.config import RewardConfig
 from reward_svc.scorers.base import ScoringRequest
@@ -80,7 +80,7 @@ def _scoring_request(scoring_input: reward_pb2.ScoringInput) -> ScoringRequest:
     except ValueError as e:
         raise InvalidArgumentError(f"input.messages: {e}") from None
     ground_truth = (
-        json_format.MessageToDict(scoring_input.ground_truth)
+        rpc.json_value(scoring_input.ground_truth, "input.ground_truth")
         if scoring_input.HasField("ground_truth")
         else None
     )
@@ -89,7 +89,7 @@ def _scoring_request(scoring_input: reward_pb2.ScoringInput) -> ScoringRequest:
         response_text=scoring_input.response_text,
         messages=messages,
         ground_truth=ground_truth,
-        extra_info=json_format.MessageToDict(scoring_input.extra_info),
+        extra_info=rpc.json_value(scoring_input.extra_info, "input.extra_info"),
     )
 
 

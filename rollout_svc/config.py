@@ -75,6 +75,12 @@ class RolloutConfig(StrictModel):
     max_concurrent_trajectories: int = Field(
         default=256, gt=0, description="Trajectories in flight at once; more wait their turn."
     )
+    max_trajectories_per_call: int = Field(
+        default=65_536,
+        gt=0,
+        description="Most trajectories (prompts times n) one Generate call may ask for; a "
+        "larger call is refused before any starts, as each waiting one holds memory.",
+    )
     tool_service: ClientConfig = Field(
         default_factory=lambda: ClientConfig(address=f"127.0.0.1:{DEFAULT_PORTS['tool']}"),
         description="The tool service the agent loop calls.",

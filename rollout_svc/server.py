@@ -5,7 +5,7 @@ Errors are raised as `turnrl.errors` exceptions and mapped to status codes by `t
 
 from collections.abc import AsyncIterator, Sequence
 
-from google.protobuf import duration_pb2, json_format
+from google.protobuf import duration_pb2
 
 from rollout_svc.agent_loop import PromptSpec
 from rollout_svc.config import RolloutConfig
@@ -22,6 +22,7 @@ BACKEND_NAMES = {
     rollout_pb2.InitWeightSyncRequest.BACKEND_NCCL: "nccl",
 }
 DEFAULT_JOIN_TIMEOUT_SECONDS = 300.0
+MAX_PORT = 65_535
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
@@ -63,8 +64,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def InitWeightSync(self, request, context):
         if request.backend not in BACKEND_NAMES:
             raise InvalidArgumentError("backend is not set; use BACKEND_GLOO or BACKEND_NCCL")
+        if not 0 < request.master_port <= MAX_PORT:
+            raise InvalidArgumentError(
+                f"master_port must be in 1..{MAX_PORT}, got {request.master_port}"
+            )
         timeout = (
-            request.timeout.ToTimedelta().total_seconds()
+            rpc.positive_seconds(request.timeout, "timeout")
             if request.HasField("timeout")
             else DEFAULT_JOIN_TIMEOUT_SECONDS
         )
@@ -132,6 +137,7 @@ async def serve(config: RolloutConfig) -> None:
             lambda server: rollout_pb2_grpc.add_RolloutServiceServicer_to_server(
                 RolloutServicer(service), server
             ),
+            watch=service.watch_engine(),
         )
     finally:
         await service.close()
@@ -154,17 +160,21 @@ def _prompt_spec(prompt: rollout_pb2.RolloutPrompt, index: int) -> PromptSpec:
         prompt_id=prompt.prompt_id or f"prompt-{index}",
         messages=messages,
         tool_names=list(prompt.tool_names),
-        tools_kwargs=json_format.MessageToDict(prompt.tools_kwargs),
+        tools_kwargs=rpc.json_value(prompt.tools_kwargs, f"prompts[{index}].tools_kwargs"),
         interaction_name=prompt.interaction_name,
-        interaction_kwargs=json_format.MessageToDict(prompt.interaction_kwargs),
+        interaction_kwargs=rpc.json_value(
+            prompt.interaction_kwargs, f"prompts[{index}].interaction_kwargs"
+        ),
         data_source=prompt.data_source,
         ground_truth=(
-            json_format.MessageToDict(prompt.ground_truth)
+            rpc.json_value(prompt.ground_truth, f"prompts[{index}].ground_truth")
             if prompt.HasField("ground_truth")
             else None
         ),
-        extra_info=json_format.MessageToDict(prompt.extra_info),
-        chat_template_kwargs=json_format.MessageToDict(prompt.chat_template_kwargs),
+        extra_info=rpc.json_value(prompt.extra_info, f"prompts[{index}].extra_info"),
+        chat_template_kwargs=rpc.json_value(
+            prompt.chat_template_kwargs, f"prompts[{index}].chat_template_kwargs"
+        ),
     )
 
 

@@ -30,7 +30,12 @@ from rollout_svc.parsers import PARSERS
 from rollout_svc.tool_client import ToolClient
 from rollout_svc.tool_schemas import ToolSchemas
 from rollout_svc.weight_sync import ChunkAssembler, WeightReceiver
-from turnrl.errors import ConfigError, FailedPreconditionError, InvalidArgumentError
+from turnrl.errors import (
+    ConfigError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+)
 from turnrl.replicas import ReplicaSet
 from turnrl.trajectory import Trajectory
 from turnrl.v1 import reward_pb2_grpc
@@ -147,6 +152,11 @@ class RolloutService:
             raise InvalidArgumentError("prompts is empty")
         if n < 1:
             raise InvalidArgumentError(f"n must be at least 1, got {n}")
+        if len(prompts) * n > self._config.max_trajectories_per_call:
+            raise InvalidArgumentError(
+                f"{len(prompts)} prompts times n={n} is more trajectories than "
+                f"rollout.max_trajectories_per_call={self._config.max_trajectories_per_call}"
+            )
         tools = [await self._tool_schemas.resolve(prompt.tool_names) for prompt in prompts]
         request_id = request_id or f"generate-{next(self._request_ids)}"
         if request_id in self._running:
@@ -199,16 +209,20 @@ class RolloutService:
         self, master_address: str, master_port: int, world_size: int, rank_offset: int,
         backend: str, group_name: str, timeout_seconds: float,
     ) -> int:  # fmt: skip
-        """Joins the trainer's weight-sync group with one rank; returns 1."""
-        await self._receiver.join(
-            master_address,
-            master_port,
-            world_size,
-            rank_offset,
-            backend,
-            group_name,
-            timeout_seconds,
-        )
+        """Joins the trainer's weight-sync group with one rank; returns 1. Raises
+        DeadlineExceededError when the group does not form within `timeout_seconds`."""
+        try:
+            await self._receiver.join(
+                master_address,
+                master_port,
+                world_size,
+                rank_offset,
+                backend,
+                group_name,
+                timeout_seconds,
+            )
+        except TimeoutError as e:
+            raise DeadlineExceededError(str(e)) from e
         return 1
 
     async def update_weights(
@@ -264,6 +278,10 @@ class RolloutService:
         async with self._paused_engine():
             await self._load(assembler.tensors(), policy_version)
         return self._engine.policy_version, assembler.bytes_received
+
+    async def watch_engine(self) -> None:
+        """Waits while the engine can serve; raises UnavailableError once it cannot."""
+        await self._engine.watch()
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -82,6 +82,8 @@ def test_command_serves_the_example_config_on_all_interfaces(name: str) -> None:
     assert "--host" in command, f"{name}: command {command} passes no --host"
     host = command[command.index("--host") + 1]
     assert host == "0.0.0.0", f"{name}: binds {host}; the port mapping needs 0.0.0.0"
+    # Open on the stack's own network only: the next test checks it is published on loopback.
+    assert f"{name}.server.allow_insecure=true" in command, f"{name}: 0.0.0.0 needs it to start"
 
 
 @pytest.mark.parametrize("name", SERVICES)
@@ -171,7 +173,8 @@ def test_dockerfile_entrypoint_is_turnrl() -> None:
 def test_rollout_calls_tool_and_reward_by_service_name() -> None:
     project = load_files().project
     overrides = dict(word.split("=", 1) for word in _service("rollout")["command"] if "=" in word)
-    assert overrides == {
+    addresses = {key: value for key, value in overrides.items() if key.endswith(".address")}
+    assert addresses == {
         "rollout.tool_service.address": f"tool:{project.tool.server.port}",
         "rollout.reward_service.address": f"reward:{project.reward.server.port}",
     }

@@ -55,14 +55,12 @@ def _metric_lines(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-async def _kill_rollout_replica_mid_step(address: str, run_dir: Path) -> str:
+async def _kill_rollout_replica_mid_step(address: str, run_dir: Path, token: str) -> str:
     """Kills the server of rollout replica 1 (kill -9, as a crash) once trajectories run
     there; returns its address."""
-    while not (run_dir / "config.yaml").exists():  # noqa: ASYNC110
-        await asyncio.sleep(0.1)
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     replica = config["trainer"]["rollout_service"]["address"].split(",")[1]
-    async with rpc.open_channel(ClientConfig(address=replica)) as channel:
+    async with rpc.open_channel(ClientConfig(address=replica), token=token) as channel:
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
         request = rollout_pb2.GetStatsRequest()
         while not (await stub.GetStats(request, timeout=10)).running_trajectories:  # noqa: ASYNC110
@@ -71,10 +69,30 @@ async def _kill_rollout_replica_mid_step(address: str, run_dir: Path) -> str:
     return replica
 
 
-async def _answers_again(replica: str) -> None:
+def _launch_token() -> str:
+    """The bearer token the launcher made (its services bind their nodes' addresses), from
+    the environment of rollout replica 1's process."""
+    pid = ray.get(ray.get_actor("rollout:1").pid.remote())
+    variables = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    (token,) = [v.split(b"=", 1)[1] for v in variables if v.startswith(b"TURNRL_LAUNCH_TOKEN=")]
+    return token.decode()
+
+
+async def _refused_without_token(replica: str) -> str:
+    async with rpc.open_channel(ClientConfig(address=replica)) as channel:
+        try:
+            await rollout_pb2_grpc.RolloutServiceStub(channel).GetStats(
+                rollout_pb2.GetStatsRequest(), timeout=10
+            )
+        except errors.RpcError as e:
+            return e.status
+    return "OK"
+
+
+async def _answers_again(replica: str, token: str) -> None:
     """Returns once the rollout replica at `replica` answers again: its launcher restarted it
     where it was."""
-    async with rpc.open_channel(ClientConfig(address=replica)) as channel:
+    async with rpc.open_channel(ClientConfig(address=replica), token=token) as channel:
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
         while True:
             try:
@@ -128,9 +146,13 @@ async def test_a_run_on_two_ray_nodes_survives_a_lost_rollout_replica(
     output = asyncio.gather(process.stdout.read(), process.stderr.read())
     try:
         async with asyncio.timeout(900):
-            killed = await _kill_rollout_replica_mid_step(ray_cluster, run_dir)
+            while not (run_dir / "config.yaml").exists():  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+            token = await asyncio.to_thread(_on_cluster, ray_cluster, _launch_token)
+            killed = await _kill_rollout_replica_mid_step(ray_cluster, run_dir, token)
             placed = await asyncio.to_thread(_on_cluster, ray_cluster, _service_nodes)
-            await _answers_again(killed)
+            await _answers_again(killed, token)
+            refused = await _refused_without_token(killed)
             _, stderr = await output
             await process.wait()
     finally:
@@ -138,6 +160,8 @@ async def test_a_run_on_two_ray_nodes_survives_a_lost_rollout_replica(
             process.send_signal(signal.SIGINT)
             await process.wait()
     assert process.returncode == 0, stderr.decode()[-4000:]
+    # Bound to its node's address, a service takes the token its launcher made, only.
+    assert refused == "UNAUTHENTICATED"
 
     # Resources put each service where it asked to be; the trainer's ranks on both nodes.
     assert placed["rollout:0"] == placed["rollout:1"] == "node_b"

@@ -2,13 +2,16 @@
 
 import asyncio
 import os
+import re
 import signal
 from pathlib import Path
 
 import pytest
+from google.protobuf import struct_pb2
 
-from turnrl import rpc
-from turnrl.config import ClientConfig
+from turnrl import errors, rpc
+from turnrl.config import CLIENT_TOKEN_ENV, ClientConfig
+from turnrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, tool_pb2, tool_pb2_grpc
 
 from .conftest import (
     EXAMPLE_CONFIG,
@@ -85,15 +88,18 @@ async def start_up(*overrides: str) -> tuple[asyncio.subprocess.Process, dict[st
 
 
 async def start_up_with_addresses(
-    *overrides: str,
+    *overrides: str, printed: list[str] | None = None
 ) -> tuple[asyncio.subprocess.Process, dict[str, int], dict[str, str]]:
-    """`start_up`, with each service's address too."""
+    """`start_up`, with each service's address too, and what it printed until then added to
+    `printed`."""
     process = await spawn_turnrl("up", *FREE_PORTS, *SHORT_GRACE, *overrides)
     pids: dict[str, int] = {}
     addresses: dict[str, str] = {}
     async with asyncio.timeout(60):
         async for raw in process.stdout:
             line = raw.decode()
+            if printed is not None:
+                printed.append(line)
             if match := UP_TABLE_ROW.search(line):
                 pids[match.group(1)] = int(match.group(3))
                 addresses[match.group(1)] = match.group(2)
@@ -176,3 +182,63 @@ async def test_up_starts_only_the_services_the_config_does_not_point_at():
         assert set(rows) == {"reward", "rollout", "trainer"}
         assert "check passed: 3 services" in stdout
         assert tool.process.returncode is None  # up stopped only what it started
+
+
+def calculator_generate_request() -> rollout_pb2.GenerateRequest:
+    """One scored calculator problem, which may call the tool service."""
+    text = common_pb2.ContentPart(text="What is 2 + 3? Use the calculator.")
+    prompt = rollout_pb2.RolloutPrompt(
+        messages=[common_pb2.Message(role=common_pb2.Message.ROLE_USER, content=[text])],
+        tool_names=["calculator"],
+        data_source="openai/gsm8k",
+        ground_truth=struct_pb2.Value(string_value="5"),
+    )
+    return rollout_pb2.GenerateRequest(prompts=[prompt], enable_scoring=True, max_turns=2)
+
+
+async def test_up_makes_a_token_for_services_other_machines_reach():
+    printed: list[str] = []
+    exposed = [f"{name}.server.host=0.0.0.0" for name in SERVICE_NAMES]
+    process, pids, addresses = await start_up_with_addresses(*exposed, printed=printed)
+    try:
+        (token,) = re.findall(rf"export {CLIENT_TOKEN_ENV}=(\S+)", "".join(printed))
+        async with rpc.open_channel(ClientConfig(address=addresses["tool"])) as channel:
+            stub = tool_pb2_grpc.ToolServiceStub(channel)
+            with pytest.raises(errors.RpcError) as refused:
+                await stub.ListTools(tool_pb2.ListToolsRequest(), timeout=10)
+        async with rpc.open_channel(
+            ClientConfig(address=addresses["tool"]), token=token
+        ) as channel:
+            listed = await tool_pb2_grpc.ToolServiceStub(channel).ListTools(
+                tool_pb2.ListToolsRequest(), timeout=10
+            )
+        # The rollout service calls the tool and reward services with it: a trajectory runs.
+        async with rpc.open_channel(
+            ClientConfig(address=addresses["rollout"]), token=token
+        ) as channel:
+            generated = [
+                reply
+                async for reply in rollout_pb2_grpc.RolloutServiceStub(channel).Generate(
+                    calculator_generate_request(), timeout=120
+                )
+            ]
+        command_lines = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in pids.values()]  # noqa: ASYNC240
+    finally:
+        process.send_signal(signal.SIGINT)
+        await process.communicate()
+    assert refused.value.status == "UNAUTHENTICATED"
+    assert "calculator" in [tool.schema.name for tool in listed.tools]
+    (trajectory,) = [reply.trajectory for reply in generated]
+    assert (
+        not trajectory.reward.error and trajectory.finish_reason != common_pb2.FINISH_REASON_ERROR
+    )
+    assert not any(token.encode() in line for line in command_lines)  # `ps` shows these
+
+
+async def test_up_without_a_token_refuses_to_expose_a_service():
+    code, _, stderr = await run_turnrl(
+        "up", "--check", *FREE_PORTS, "tool.server.host=0.0.0.0", "launcher.auth_token=none"
+    )
+    assert code == 1
+    assert "tool service" in stderr and "is reachable from other machines" in stderr
+    assert "server.allow_insecure" in stderr

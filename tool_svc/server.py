@@ -8,7 +8,7 @@ import datetime
 import json
 from collections.abc import Sequence
 
-from google.protobuf import duration_pb2, json_format, timestamp_pb2
+from google.protobuf import duration_pb2, timestamp_pb2
 
 from tool_svc.config import ToolConfig
 from tool_svc.service import ToolInfo, ToolService
@@ -22,6 +22,8 @@ from turnrl.v1 import common_pb2, tool_pb2, tool_pb2_grpc
 # a call (killing a sandbox, removing its cgroup) takes longer on a loaded machine.
 RESPONSE_MARGIN_FRACTION = 0.1
 RESPONSE_MARGIN_BOUNDS_SECONDS = (0.05, 1.0)
+# A Timestamp, like a datetime, ends with the year 9999.
+LAST_EXPIRE_TIME = datetime.datetime.max.replace(tzinfo=datetime.UTC)
 
 
 class ToolServicer(tool_pb2_grpc.ToolServiceServicer):
@@ -37,16 +39,17 @@ class ToolServicer(tool_pb2_grpc.ToolServiceServicer):
 
     async def CreateSession(self, request, context):
         _require(request.tool_name, "tool_name")
-        ttl = request.ttl.ToTimedelta().total_seconds() if request.HasField("ttl") else None
-        if ttl is not None and ttl <= 0:
-            raise InvalidArgumentError(f"ttl must be positive, got {ttl!r}s")
+        ttl = rpc.positive_seconds(request.ttl, "ttl") if request.HasField("ttl") else None
+        now = datetime.datetime.now(datetime.UTC)
+        if ttl is not None and ttl > (LAST_EXPIRE_TIME - now).total_seconds():
+            raise InvalidArgumentError(
+                f"ttl {ttl!r}s ends after {LAST_EXPIRE_TIME}, the last time expire_time holds"
+            )
         session_id, ttl_seconds = await self._service.create_session(
-            request.tool_name, json_format.MessageToDict(request.session_kwargs), ttl
+            request.tool_name, rpc.json_value(request.session_kwargs, "session_kwargs"), ttl
         )
         expire_time = timestamp_pb2.Timestamp()
-        expire_time.FromDatetime(
-            datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=ttl_seconds)
-        )
+        expire_time.FromDatetime(now + datetime.timedelta(seconds=ttl_seconds))
         return tool_pb2.CreateSessionResponse(session_id=session_id, expire_time=expire_time)
 
     async def Execute(self, request, context):

@@ -117,6 +117,11 @@ class TrainerService:
                 )
             config = config.model_copy(update={"model_path": self._model_path})
         name = run_name or config.run_name
+        if name in (".", "..") or "/" in name:
+            raise InvalidArgumentError(
+                f"run name {name!r} is not a folder name; a run is written to "
+                "<trainer.output_dir>/<run name>/"
+            )
         running = [r.name for r in self._runs.values() if r.state not in ENDED]
         if running:
             raise FailedPreconditionError(f"run {running[0]!r} is still running; stop it first")
@@ -125,14 +130,19 @@ class TrainerService:
                 f"the run asks for trainer.ranks={config.ranks}; this trainer service runs "
                 f"{self._ranks.world_size} (start it with trainer.ranks={config.ranks})"
             )
-        output_dir = (config.output_dir / name).resolve()
-        if output_dir.exists() and any(output_dir.iterdir()) and not resume:
-            raise AlreadyExistsError(
-                f"run {name!r} exists in {output_dir}; resume it (--resume) or pick another name "
-                "(trainer.run_name=...)"
-            )
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(config_yaml)
+        try:
+            output_dir = (config.output_dir / name).resolve()
+            if output_dir.exists() and any(output_dir.iterdir()) and not resume:
+                raise AlreadyExistsError(
+                    f"run {name!r} exists in {output_dir}; resume it (--resume) or pick another "
+                    "name (trainer.run_name=...)"
+                )
+            output_dir.mkdir(parents=True, exist_ok=True)
+            (output_dir / "config.yaml").write_text(config_yaml)
+        except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+            raise InvalidArgumentError(
+                f"cannot write run {name!r} in trainer.output_dir {str(config.output_dir)!r}: {e}"
+            ) from e
         record = RunRecord(name, output_dir)
         record.controller = LOOPS[config.loop if config.mode == "rl" else "sft"](
             config, output_dir, partial(self._on_event, record), self._ranks

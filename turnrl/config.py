@@ -6,6 +6,7 @@ A turnrl config is one YAML file with a section per service (`tool`, `reward`, `
 file. Every model here forbids unknown keys and is frozen; every field states its units.
 """
 
+import ipaddress
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -49,7 +50,8 @@ class ServerConfig(StrictModel):
     host: str = Field(
         default="127.0.0.1",
         description="Interface to bind. 127.0.0.1 keeps the service private to this machine; "
-        "0.0.0.0 exposes it (use TLS and a token then).",
+        "any other address exposes it, and needs `tls` or `auth_token_env` (or "
+        "`allow_insecure`).",
     )
     port: int = Field(
         ge=0, le=65535, description="TCP port; 0 picks a free one (printed at start)."
@@ -78,10 +80,41 @@ class ServerConfig(StrictModel):
         description="Port of the Prometheus /metrics HTTP endpoint, on `host`; 0 picks a free "
         "one (printed at start). None: no endpoint.",
     )
+    allow_insecure: bool = Field(
+        default=False,
+        description="Serve an address other machines can reach with neither TLS nor a token: "
+        "anyone who reaches it can run tools, push weights or start runs. Only for a network "
+        "that is private already (a compose network published on loopback).",
+    )
 
     def auth_token(self) -> str | None:
         """The bearer token this server requires, read from `auth_token_env`."""
         return read_secret_env(self.auth_token_env) if self.auth_token_env else None
+
+    def check_exposure(self) -> None:
+        """Raises ConfigError, saying why and what to do, when the server would listen where
+        other machines reach it with neither TLS nor a token, unless `allow_insecure`."""
+        if is_loopback(self.host) or self.tls or self.auth_token_env or self.allow_insecure:
+            return
+        raise ConfigError(
+            f"server.host {self.host!r} is reachable from other machines, and the service "
+            "would have neither TLS (server.tls) nor a bearer token (server.auth_token_env): "
+            "anyone who reaches it could run code in its tools, push weights or start runs. "
+            "Set one of them (`turnrl up` and `run` make a token for the services they start: "
+            "launcher.auth_token), bind 127.0.0.1, or set server.allow_insecure: true on a "
+            "network that is private already"
+        )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an IP address, IPv6 with or without brackets) is this
+    machine's loopback, which no other machine reaches."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # another name: it may resolve to anything
+        return False
 
 
 class ClientConfig(StrictModel):

@@ -1,7 +1,8 @@
 """gRPC plumbing for the four services and their clients: one server bootstrap (health,
-reflection, TLS, bearer-token auth, error-to-status mapping, graceful shutdown), one channel
-factory (keepalive, default deadline, token, status-to-error mapping), and retries for
-idempotent calls.
+reflection, TLS, bearer-token auth, error-to-status mapping, graceful shutdown), the request
+fields whose conversion a bad value breaks (`positive_seconds`, `json_value`: INVALID_ARGUMENT
+rather than INTERNAL), one channel factory (keepalive, default deadline, token,
+status-to-error mapping), and retries for idempotent calls.
 
 Besides the services' `server.py` files, this is the only turnrl module that imports grpc:
 service logic raises `turnrl.errors` exceptions and `StatusMappingInterceptor` turns them into
@@ -21,7 +22,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf import duration_pb2, json_format
 from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
@@ -58,6 +61,8 @@ UNAUTHENTICATED_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 MAX_RECONNECT_BACKOFF_MS = 5_000
 # Servers accept client keepalive pings this often (clients ping every `keepalive_seconds`).
 MIN_CLIENT_PING_INTERVAL_MS = 5_000
+# The most a google.protobuf.Duration may hold: 10,000 years.
+MAX_DURATION_SECONDS = 315_576_000_000
 
 
 # ---------------------------------------- Server --------------------------------------------
@@ -81,8 +86,10 @@ async def start_server(
     """Builds, binds and starts a server for one service, with health and reflection.
 
     `add_servicer` registers the service's servicer (the generated `add_*_to_server`).
-    Raises OSError when the address cannot be bound.
+    Raises OSError when the address cannot be bound, ConfigError when it is one other machines
+    reach and the server would have neither TLS nor a token (`ServerConfig.check_exposure`).
     """
+    config.check_exposure()
     token = config.auth_token()
     interceptors: list[grpc.aio.ServerInterceptor] = [StatusMappingInterceptor()]
     if token is not None:
@@ -140,14 +147,18 @@ async def serve(
     add_servicer: Callable[[grpc.aio.Server], None],
     *,
     metrics: CollectorRegistry | None = None,
+    watch: Awaitable[None] | None = None,
 ) -> None:
-    """Serves one service until SIGTERM or SIGINT, then shuts down gracefully.
+    """Serves one service until SIGTERM or SIGINT, then shuts down gracefully. When `watch`
+    (the rollout engine's) raises, the service can no longer serve: it shuts down the same way
+    and the error is raised, so the process exits failed and its supervisor restarts it.
 
     Prints one line to stdout once serving, `serving <ServiceName> on <host>:<port>`, which
     launchers and tests read to learn the port when `config.port` is 0. With
     `config.metrics_port` set, `metrics` is exposed over HTTP for Prometheus, and a line
     `metrics of <ServiceName> on http://<host>:<port>/metrics` is printed before it.
     """
+    running = await start_server(config, service, add_servicer)
     if config.metrics_port is not None and metrics is not None:
         # prometheus_client serves from its own daemon thread; it never touches the event loop.
         http_server, _ = start_http_server(config.metrics_port, addr=config.host, registry=metrics)
@@ -155,7 +166,6 @@ async def serve(
             f"metrics of {service.name} on http://{config.host}:{http_server.server_port}/metrics",
             flush=True,
         )
-    running = await start_server(config, service, add_servicer)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -164,11 +174,19 @@ async def serve(
     auth = "token" if config.auth_token_env else "no auth"
     log.info("%s: %s, %s, grace %.1fs", service.name, security, auth, config.shutdown_grace_seconds)
     print(f"serving {service.name} on {config.host}:{running.port}", flush=True)
+    stopped = asyncio.ensure_future(stop.wait())
+    watched = asyncio.ensure_future(watch if watch is not None else asyncio.Event().wait())
     try:
-        await stop.wait()
+        await asyncio.wait([stopped, watched], return_when=asyncio.FIRST_COMPLETED)
+        if watched.done():
+            log.error("%s: cannot serve any more: %s", service.name, watched.exception())
         log.info("%s: shutting down (grace %.1fs)", service.name, config.shutdown_grace_seconds)
     finally:
+        stopped.cancel()
+        watched.cancel()
         await stop_server(running, config.shutdown_grace_seconds)
+    if watched.done() and not watched.cancelled():
+        watched.result()
 
 
 def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
@@ -222,7 +240,8 @@ def _aborting_behavior(handler: grpc.RpcMethodHandler, reason: str) -> Callable:
 
 
 class StatusMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Turns `turnrl.errors` exceptions into their status codes, anything else into INTERNAL.
+    """Turns `turnrl.errors` exceptions into their status codes, anything else into INTERNAL,
+    and a request whose bytes do not parse as the method's message into INVALID_ARGUMENT.
 
     A bug is logged with its traceback; the caller sees only that it was internal.
     """
@@ -233,11 +252,13 @@ class StatusMappingInterceptor(grpc.aio.ServerInterceptor):
             return None
         behavior = _behavior(handler)
         method = handler_call_details.method
+        handler = _parsing_leniently(handler)
+        streaming = handler.request_streaming
         if inspect.isasyncgenfunction(behavior):
 
             async def mapped_stream(request: Any, context: grpc.aio.ServicerContext):
                 try:
-                    async for response in behavior(request, context):
+                    async for response in behavior(_parsed(request, streaming), context):
                         yield response
                 except Exception as e:
                     await _abort_for(e, context, method)
@@ -246,7 +267,7 @@ class StatusMappingInterceptor(grpc.aio.ServerInterceptor):
 
         async def mapped(request: Any, context: grpc.aio.ServicerContext):
             try:
-                result = behavior(request, context)
+                result = behavior(_parsed(request, streaming), context)
                 # Only the generated base servicer's UNIMPLEMENTED methods are plain functions.
                 return await result if inspect.isawaitable(result) else result
             except Exception as e:
@@ -269,6 +290,45 @@ async def _abort_for(error: Exception, context: grpc.aio.ServicerContext, method
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the server log")
 
 
+class _Unparsable:
+    """What a request whose bytes do not parse is handed on as, so that its handler answers
+    INVALID_ARGUMENT: grpc itself would answer UNKNOWN, naming the parser's exception."""
+
+    def __init__(self, error: DecodeError) -> None:
+        self.error = errors.InvalidArgumentError(f"the request does not parse: {error}")
+
+
+def _parsing_leniently(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    parse = handler.request_deserializer
+    if parse is None:  # the handler takes bytes
+        return handler
+
+    def parse_leniently(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as e:
+            return _Unparsable(e)
+
+    return handler._replace(request_deserializer=parse_leniently)
+
+
+def _parsed(request: Any, streaming: bool) -> Any:
+    """The request, or the stream of them, that a handler takes: an unparsable one raises
+    InvalidArgumentError, for a stream when the handler reaches it."""
+    if streaming:
+        return _parsed_stream(request)
+    if isinstance(request, _Unparsable):
+        raise request.error
+    return request
+
+
+async def _parsed_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        if isinstance(request, _Unparsable):
+            raise request.error
+        yield request
+
+
 def _is_abort(error: Exception) -> bool:
     # grpc.aio raises its own AbortError out of context.abort(); it is not public API.
     return type(error).__name__ == "AbortError"
@@ -288,6 +348,27 @@ def _replace_behavior(handler: grpc.RpcMethodHandler, behavior: Callable) -> grp
         (True, True): "stream_stream",
     }[(handler.request_streaming, handler.response_streaming)]
     return handler._replace(**{kind: behavior})
+
+
+def positive_seconds(duration: duration_pb2.Duration, field: str) -> float:
+    """A Duration field of a request in seconds. Raises InvalidArgumentError naming `field`
+    unless it is positive and within a Duration's range (past timedelta's, `ToTimedelta`
+    raises OverflowError)."""
+    seconds = duration.seconds + duration.nanos / 1e9
+    if not 0 < seconds <= MAX_DURATION_SECONDS:
+        raise errors.InvalidArgumentError(
+            f"{field} must be positive and at most {MAX_DURATION_SECONDS}s, got {seconds!r}s"
+        )
+    return seconds
+
+
+def json_value(message: Message, field: str) -> Any:
+    """A Struct, Value or ListValue field of a request as plain Python values. Raises
+    InvalidArgumentError naming `field` for a number JSON has no value for (NaN, Infinity)."""
+    try:
+        return json_format.MessageToDict(message)
+    except ValueError as e:
+        raise errors.InvalidArgumentError(f"{field}: {e}") from None
 
 
 # ---------------------------------------- Client --------------------------------------------

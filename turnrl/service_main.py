@@ -22,7 +22,7 @@ from typing import NoReturn, TypeVar
 from pydantic import Field, create_model
 
 from turnrl.config import StrictModel, load_config_data, validate_config
-from turnrl.errors import ConfigError
+from turnrl.errors import ConfigError, UnavailableError
 
 ConfigT = TypeVar("ConfigT", bound=StrictModel)
 # Exit codes, as `turnrl`'s: 1 the service could not start (its port taken), 2 a bad config.
@@ -74,13 +74,14 @@ def configure_logging(level: str) -> None:
 
 def run(section: str, serve: Callable[[ConfigT], Awaitable[None]], config: ConfigT) -> NoReturn:
     """Runs `serve(config)` until it returns (on SIGTERM or SIGINT), then exits: 0, 1 when the
-    service could not start (an OSError, such as a port in use), 2 for a ConfigError."""
+    service could not start (an OSError, such as a port in use) or could serve no more (an
+    UnavailableError: its engine died), 2 for a ConfigError."""
     program = f"python -m {section}_svc"
     try:
         asyncio.run(serve(config))
     except ConfigError as e:
         _exit(program, e, EXIT_USAGE)
-    except OSError as e:
+    except (OSError, UnavailableError) as e:
         _exit(program, e, EXIT_FAILED)
     sys.exit(0)
 

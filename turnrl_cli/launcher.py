@@ -7,6 +7,7 @@ follows it (`progress`).
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -15,25 +16,28 @@ from rich.console import Console
 from rich.table import Table
 
 from turnrl import errors, rpc
+from turnrl.config import CLIENT_TOKEN_ENV
 from turnrl.errors import ConfigError
 from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
+from turnrl_cli.launch_token import LAUNCH_TOKEN_ENV, launch_token_overrides
 from turnrl_cli.model_paths import load_with_tiny_model
 from turnrl_cli.processes import (
     LaunchedService,
     ServiceDiedError,
     StartupInterruptedError,
     local_services,
+    peer_token_env,
     replica_addresses,
     stop_on_signals,
     supervise,
 )
 from turnrl_cli.progress import follow_run
-from turnrl_cli.project_config import ProjectConfig
+from turnrl_cli.project_config import ProjectConfig, load_project_config
 
 
 async def up(config_path: Path | None, overrides: Sequence[str], check: bool) -> int:
     """`turnrl up`: start the services, print their addresses, supervise until Ctrl-C or a death."""
-    project, overrides = await asyncio.to_thread(load_with_tiny_model, config_path, overrides)
+    project, overrides = await _load(config_path, overrides)
     console = Console()
     stop_requested = stop_on_signals()
     try:
@@ -41,6 +45,13 @@ async def up(config_path: Path | None, overrides: Sequence[str], check: bool) ->
             if check:
                 return await _check(services, console)
             console.print(_table(services, {}))
+            if token := os.environ.get(LAUNCH_TOKEN_ENV):
+                console.print(
+                    "They take this launch's bearer token (launcher.auth_token); for turnrl's "
+                    f"client commands: export {CLIENT_TOKEN_ENV}={token}",
+                    highlight=False,
+                    soft_wrap=True,
+                )
             console.print(f"{len(services)} services SERVING; Ctrl-C stops them")
             return await supervise(services, project.launcher.restart, stop_requested, console)
     except ServiceDiedError as e:
@@ -55,7 +66,7 @@ async def run(config_path: Path, overrides: Sequence[str], resume: bool) -> int:
     """`turnrl run`: start the services the config does not point at, submit the run
     (StartRun), follow it (StreamProgress) to its end; Ctrl-C stops it after the current step
     (StopRun, with a checkpoint)."""
-    project, overrides = await asyncio.to_thread(load_with_tiny_model, config_path, overrides)
+    project, overrides = await _load(config_path, overrides)
     console = Console(stderr=True)
     stop_requested = stop_on_signals()
     try:
@@ -91,6 +102,18 @@ async def run(config_path: Path, overrides: Sequence[str], resume: bool) -> int:
     except StartupInterruptedError:
         console.print("interrupted during start-up; stopped all services")
         return 0
+
+
+async def _load(
+    config_path: Path | None, overrides: Sequence[str]
+) -> tuple[ProjectConfig, list[str]]:
+    """The config with its model paths (`load_with_tiny_model`) and this launch's token, when
+    it makes one (`launch_token_overrides`), and the overrides that say so to the services."""
+    project, overrides = await asyncio.to_thread(load_with_tiny_model, config_path, overrides)
+    if token_overrides := launch_token_overrides(project):
+        overrides = [*overrides, *token_overrides]
+        project = load_project_config(config_path, overrides)
+    return project, overrides
 
 
 async def _supervise_run(
@@ -134,6 +157,8 @@ def _run_config_yaml(project: ProjectConfig, services: list[LaunchedService]) ->
     data = project.model_dump(mode="json")
     if rollout := replica_addresses(services, "rollout"):
         data["trainer"]["rollout_service"]["address"] = rollout
+        if token_env := peer_token_env(services, "rollout"):
+            data["trainer"]["rollout_service"]["auth_token_env"] = token_env
     trainer = [s for s in services if s.name == "trainer" and s.replica == 0]
     if trainer and trainer[0].node_address:
         data["trainer"]["weight_sync"]["master_address"] = trainer[0].node_address

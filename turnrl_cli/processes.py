@@ -221,14 +221,25 @@ async def ready_unless_stopped(ready: Awaitable[Any], stop_requested: asyncio.Ev
 
 def peer_addresses(name: str, started: Sequence[LaunchedService]) -> list[str]:
     """Overrides pointing service `name` at the services already `started`: the rollout
-    service at every replica of the tool and reward services."""
+    service at every replica of the tool and reward services, sending the token each
+    requires (`peer_token_env`)."""
     if name != "rollout":
         return []
-    return [
-        f"rollout.{peer}_service.address={addresses}"
-        for peer in ("tool", "reward")
-        if (addresses := replica_addresses(started, peer))
-    ]
+    overrides = []
+    for peer in ("tool", "reward"):
+        if addresses := replica_addresses(started, peer):
+            overrides.append(f"rollout.{peer}_service.address={addresses}")
+            if token_env := peer_token_env(started, peer):
+                overrides.append(f"rollout.{peer}_service.auth_token_env={token_env}")
+    return overrides
+
+
+def peer_token_env(started: Sequence[LaunchedService], name: str) -> str | None:
+    """The environment variable holding the token that the started service `name` requires
+    (its `server.auth_token_env`, the launch's own token's for one without), which its
+    callers started beside it have too; None when it requires none."""
+    servers = [service.server for service in started if service.name == name]
+    return servers[0].auth_token_env if servers else None
 
 
 def replica_addresses(started: Sequence[LaunchedService], name: str) -> str:

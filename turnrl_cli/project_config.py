@@ -111,6 +111,14 @@ class LauncherConfig(StrictModel):
     ray: RayLauncherConfig = Field(
         default_factory=RayLauncherConfig, description="The Ray cluster and each service's needs."
     )
+    auth_token: Literal["auto", "generate", "none"] = Field(
+        default="auto",
+        description="A bearer token the launcher makes for this launch and hands to the "
+        "services it starts and to their callers (turnrl_cli.launch_token). auto: when one of "
+        "them would listen on an address other machines reach (every Ray launch binds its "
+        "node's) with no TLS or token of its own; generate: always (a shared machine's other "
+        "users reach 127.0.0.1 too); none: never.",
+    )
     restart: RestartPolicies = Field(
         default_factory=RestartPolicies,
         description="Each service's restart policy. Its callers ride a restart out: the rollout "

@@ -35,6 +35,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from turnrl.config import ClientConfig, ServerConfig
 from turnrl.errors import ConfigError
+from turnrl_cli.launch_token import LAUNCH_TOKEN_ENV
 from turnrl_cli.processes import (
     START_STAGES,
     STARTUP_TIMEOUT_SECONDS,
@@ -94,6 +95,8 @@ class ServiceActor:
         """Starts the service; when it `serves` (all but the trainer's ranks > 0), waits for
         its SERVING and returns its address. Raises ServiceDiedError when it fails to start."""
         path = None if config_path is None else Path(config_path)
+        if LAUNCH_TOKEN_ENV in env:  # this actor calls the service too, with its token
+            os.environ[LAUNCH_TOKEN_ENV] = env[LAUNCH_TOKEN_ENV]
         self._process = await spawn(name, replica, server, path, overrides, env)
         if serves:
             await wait_ready(self._process)
@@ -302,6 +305,8 @@ async def _start(placed: list[RayService], config_path: str | None, overrides: l
         if service.server.metrics_port:
             own.append(f"{name}.server.metrics_port=0")
         env = {**rendezvous, "RANK": str(service.replica)} if rendezvous else {}
+        if token := os.environ.get(LAUNCH_TOKEN_ENV):
+            env[LAUNCH_TOKEN_ENV] = token
         serves = name != "trainer" or service.replica == 0
         service.start_args = (
             name, service.replica, service.server, config_path, [*overrides, *own], env, serves

@@ -106,6 +106,11 @@ class Engine(Protocol):
         update may come in several calls, one per bucket as it arrives; tensors that are views
         of `weight_buffer` are in place already."""
 
+    async def watch(self) -> None:
+        """Waits while the engine can serve; raises UnavailableError, with the cause, once it
+        cannot (its worker broke, its server process exited), so the service stops and is
+        restarted instead of refusing every request while reporting itself healthy."""
+
     def stats(self) -> dict[str, float]:
         """Current engine metrics: running requests, queued requests, KV cache use, ..."""
 

@@ -23,6 +23,7 @@ between, so running requests keep decoding and the first admitted start theirs e
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import threading
 import time
@@ -38,7 +39,12 @@ from rollout_svc.engines.base import FinishReason, GenerateOutput, SamplingParam
 from rollout_svc.engines.hf_cache import Kv, SessionKvStore
 from rollout_svc.engines.hf_compute import ModelRunner, Request, load_model
 from turnrl.config import StrictModel
-from turnrl.errors import AlreadyExistsError, FailedPreconditionError, InvalidArgumentError
+from turnrl.errors import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    UnavailableError,
+)
 from turnrl.weights import BucketedWeights, TensorMeta
 
 logger = logging.getLogger(__name__)
@@ -113,11 +119,11 @@ def _validate(
         )
     checks = {
         "max_new_tokens": sampling.max_new_tokens >= 1,
-        "temperature": sampling.temperature >= 0,
+        "temperature": 0 <= sampling.temperature < math.inf,
         "top_p": 0 < sampling.top_p <= 1,
         "top_k": sampling.top_k >= 0,
         "min_p": 0 <= sampling.min_p <= 1,
-        "repetition_penalty": sampling.repetition_penalty > 0,
+        "repetition_penalty": 0 < sampling.repetition_penalty < math.inf,
     }
     for name, ok in checks.items():
         if not ok:
@@ -153,6 +159,8 @@ class HfEngine:
         ] = []
         self._sessions = SessionKvStore(options.kv_cache_budget_bytes)
         self._closed = False  # no new requests or commands
+        self._failure: UnavailableError | None = None  # why the worker broke
+        self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._closing = False  # the worker ends everything and exits
         # Owned by the worker thread.
         self._waiting: deque[Request] = deque()
@@ -265,6 +273,17 @@ class HfEngine:
         for, or whose parameter has another shape."""
         self._runner.check_shapes((meta.name, meta.shape) for meta in metas)
 
+    async def watch(self) -> None:
+        """Waits while the worker runs; raises UnavailableError once it has broken (a bug:
+        a failed forward or sample fails its own requests only, and the worker goes on)."""
+        loop = asyncio.get_running_loop()
+        broken = loop.create_future()
+        with self._lock:
+            if self._failure is not None:
+                raise self._failure
+            self._watchers.append((loop, broken))
+        await broken
+
     def stats(self) -> dict[str, float]:
         """running, waiting, paused (0/1), policy_version, cached_sessions, session_kv_bytes,
         running_kv_bytes (allocated), session_evictions, and the running totals
@@ -311,6 +330,11 @@ class HfEngine:
             logger.exception("hf engine worker failed")
             self._finish_all(error)
             self._flush()
+            with self._lock:
+                self._failure = UnavailableError(f"the hf engine's worker failed: {error!r}")
+                watchers, self._watchers = self._watchers, []
+            for loop, broken in watchers:
+                _settle(loop, broken, self._failure)
 
     def _has_work(self) -> bool:
         if self._commands or self._abort_ids or self._closing:
@@ -424,12 +448,12 @@ class HfEngine:
             for request in requests:
                 self._finish(request, error, None)
             return
-        self._runner.sample(requests, logits)
-        done = [(row, self._finish_reason(r)) for row, r in enumerate(requests)]
-        done = [(row, reason) for row, reason in done if reason is not None]
+        failed = self._runner.sample(requests, logits)
+        done = [(row, failed.get(row) or self._finish_reason(r)) for row, r in enumerate(requests)]
+        done = [(row, outcome) for row, outcome in done if outcome is not None]
         removed = self._runner.batch.remove([row for row, _ in done])
-        for (request, kv), (_, reason) in zip(removed, done, strict=True):
-            self._finish(request, reason, kv)
+        for (request, kv), (_, outcome) in zip(removed, done, strict=True):
+            self._finish(request, outcome, kv)
 
     def _finish_reason(self, request: Request) -> FinishReason | None:
         if request.output_ids[-1] in request.stop_token_ids:

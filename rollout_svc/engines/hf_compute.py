@@ -22,7 +22,7 @@ from transformers.cache_utils import DynamicLayer
 
 from rollout_svc.engines.base import FinishReason, GenerateOutput, SamplingParams
 from rollout_svc.engines.hf_cache import BatchKv, Kv
-from turnrl.errors import InvalidArgumentError
+from turnrl.errors import FailedPreconditionError, InvalidArgumentError
 from turnrl.weights import BucketedWeights, TensorMeta
 
 # Requests admitted together whose prompts start alike (a system prompt) compute the common
@@ -261,18 +261,31 @@ class ModelRunner:
             request.reused_kv = kv
             request.kv_len = request.cached_prompt_tokens = shared
 
-    def sample(self, requests: list[Request], logits: torch.Tensor) -> None:
+    def sample(self, requests: list[Request], logits: torch.Tensor) -> dict[int, Exception]:
         """Appends one token per request (row of `logits`) with its logprob under the raw
-        distribution (see `HfEngine` for why)."""
-        tokens = [_next_token(row, request) for row, request in zip(logits, requests, strict=True)]
-        index = torch.tensor(tokens, device=logits.device)[:, None]
-        logprobs = logits.log_softmax(-1).gather(1, index)[:, 0].tolist()
-        for request, token, logprob in zip(requests, tokens, logprobs, strict=True):
+        distribution (see `HfEngine` for why). A row that cannot be sampled (the model's
+        logits are NaN) gets no token: its error is returned by row, for that request alone
+        to fail."""
+        tokens: dict[int, int] = {}
+        failed: dict[int, Exception] = {}
+        for row, request in enumerate(requests):
+            try:
+                tokens[row] = _next_token(logits[row], request)
+            except FailedPreconditionError as error:
+                failed[row] = error
+        if not tokens:
+            return failed
+        rows = torch.tensor(list(tokens), device=logits.device)
+        index = torch.tensor(list(tokens.values()), device=logits.device)[:, None]
+        logprobs = logits[rows].log_softmax(-1).gather(1, index)[:, 0].tolist()
+        for (row, token), logprob in zip(tokens.items(), logprobs, strict=True):
+            request = requests[row]
             request.token_ids.append(token)
             request.output_ids.append(token)
             request.logprobs.append(logprob)
             request.policy_versions.append(self.policy_version)
         self.counters["tokens_generated"] += len(tokens)
+        return failed
 
     def check_shapes(
         self, shapes: Iterable[tuple[str, tuple[int, ...]]]
@@ -336,7 +349,12 @@ def _common_prefix_len(sequences: list[list[int]]) -> int:
 
 def _next_token(logits: torch.Tensor, request: Request) -> int:
     """Picks the next token from one row of float32 logits under the request's sampling params:
-    repetition penalty, then greedy argmax or temperature, top-k, top-p and min-p sampling."""
+    repetition penalty, then greedy argmax or temperature, top-k, top-p and min-p sampling.
+    Raises FailedPreconditionError when the logits leave nothing to sample (NaN weights)."""
+    if logits.isnan().any():
+        raise FailedPreconditionError(
+            f"request {request.request_id!r}: the model's logits are NaN (were NaN weights loaded?)"
+        )
     sampling = request.sampling
     if sampling.repetition_penalty != 1.0:
         seen = torch.tensor(request.token_ids, device=logits.device)
@@ -344,10 +362,15 @@ def _next_token(logits: torch.Tensor, request: Request) -> int:
         penalized = torch.where(
             scores > 0, scores / sampling.repetition_penalty, scores * sampling.repetition_penalty
         )
-        logits = logits.scatter(0, seen, penalized)
+        # A penalty near 0 (or above 1e38) overflows a score to infinity; clamped, it stays
+        # the most (least) likely token instead of turning the softmax into NaN.
+        finite = torch.finfo(logits.dtype)
+        logits = logits.scatter(0, seen, penalized.clamp(finite.min, finite.max))
     if request.generator is None:
         return int(logits.argmax())
-    probs = torch.softmax(logits / sampling.temperature, dim=-1)
+    # Shifted so the best logit is 0 before dividing: a temperature near 0 then sends the
+    # others to -inf (greedy in the limit) instead of every logit to +-inf and NaN.
+    probs = torch.softmax((logits - logits.max()) / sampling.temperature, dim=-1)
     if 0 < sampling.top_k < probs.numel():
         probs = torch.where(probs >= probs.topk(sampling.top_k).values[-1], probs, 0.0)
     if sampling.top_p < 1.0:
@@ -357,4 +380,8 @@ def _next_token(logits: torch.Tensor, request: Request) -> int:
         probs = probs.scatter(0, order[mass_before >= sampling.top_p * probs.sum()], 0.0)
     if sampling.min_p > 0.0:
         probs = torch.where(probs >= sampling.min_p * probs.max(), probs, 0.0)
+    if not probs.isfinite().all() or probs.sum() <= 0:
+        raise FailedPreconditionError(
+            f"request {request.request_id!r}: no token left to sample (every logit is -inf?)"
+        )
     return int(torch.multinomial(probs, 1, generator=request.generator))

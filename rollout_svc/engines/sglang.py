@@ -344,6 +344,18 @@ class SglangEngine:
         """Not supported: see the NotImplementedError message."""
         raise NotImplementedError(UPDATE_WEIGHTS_UNSUPPORTED)
 
+    async def watch(self) -> None:
+        """Waits while the server this engine launched runs; raises UnavailableError once its
+        process exits. A server given by `url` is another's to supervise: this waits forever,
+        and its failures reach callers as the errors of their requests."""
+        if self._process is None:
+            await asyncio.Event().wait()
+        returncode = await self._process.wait()
+        raise UnavailableError(
+            f"SGLang server process {self._process.pid} exited with code {returncode}; its log "
+            "is above"
+        )
+
     def stats(self) -> dict[str, float]:
         """Counts kept by this client: requests running now, finished, aborted, tokens made."""
         return {

@@ -4,13 +4,16 @@ limits say, and requests joining, leaving, aborted, cancelled or closed on keep 
 and session KV: test_hf_engine_prefill.py; weight updates: test_hf_engine_weights.py."""
 
 import asyncio
+import math
 from pathlib import Path
 
 import pytest
+import torch
 from pydantic import ValidationError
 from transformers import Qwen3ForCausalLM
 
 from rollout_svc.config import RolloutConfig
+from rollout_svc.engines import hf_compute
 from rollout_svc.engines.base import FinishReason, SamplingParams
 from rollout_svc.engines.hf import HfEngine
 from tests.rollout_svc.hf_engine_fixtures import (
@@ -29,7 +32,12 @@ from tests.rollout_svc.hf_engine_fixtures import engine as engine
 from tests.rollout_svc.hf_engine_fixtures import model_dir as model_dir
 from tests.rollout_svc.hf_engine_fixtures import one_torch_thread as one_torch_thread
 from tests.rollout_svc.hf_engine_fixtures import reference as reference
-from turnrl.errors import AlreadyExistsError, FailedPreconditionError, InvalidArgumentError
+from turnrl.errors import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    UnavailableError,
+)
 
 
 @pytest.mark.parametrize("max_batch_size", [2, 8])
@@ -227,6 +235,50 @@ async def test_close_aborts_pending_requests(model_dir: Path) -> None:
     with pytest.raises(FailedPreconditionError, match="closed"):
         await engine.generate([1], greedy(1), "late")
     await engine.close()  # a second close is a no-op
+
+
+async def test_a_request_that_cannot_be_sampled_fails_alone(
+    engine: HfEngine, reference: Qwen3ForCausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    next_token = hf_compute._next_token
+
+    def nan_for_the_victim(logits, request):
+        if request.request_id == "victim" and len(request.output_ids) == 2:
+            logits = torch.full_like(logits, math.nan)
+        return next_token(logits, request)
+
+    monkeypatch.setattr(hf_compute, "_next_token", nan_for_the_victim)
+    prompts = [random_ids(6, seed=11), random_ids(9, seed=12)]
+    victim, mate = await asyncio.gather(
+        engine.generate(prompts[0], greedy(5), "victim"),
+        engine.generate(prompts[1], greedy(5), "mate"),
+        return_exceptions=True,
+    )
+    assert isinstance(victim, FailedPreconditionError) and "logits are NaN" in str(victim)
+    assert mate.output_ids == generate_reference(reference, prompts[1], 5)
+    assert engine.stats()["running"] == 0
+    assert (await engine.generate(prompts[0], greedy(2), "after")).output_ids == (
+        generate_reference(reference, prompts[0], 2)
+    )
+
+
+async def test_a_broken_worker_fails_every_caller_and_the_watch(
+    engine: HfEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    watching = asyncio.create_task(engine.watch())
+
+    def bug(requests, logits):
+        raise RuntimeError("a bug in sampling")
+
+    monkeypatch.setattr(engine._runner, "sample", bug)
+    with pytest.raises(RuntimeError, match="a bug in sampling"):
+        await engine.generate(random_ids(4, seed=13), greedy(3), "hits-the-bug")
+    with pytest.raises(UnavailableError, match="worker failed: RuntimeError"):
+        await watching
+    with pytest.raises(UnavailableError, match="worker failed"):
+        await engine.watch()  # at once, for a watch begun after the failure
+    with pytest.raises(FailedPreconditionError, match="closed"):
+        await engine.generate([1], greedy(1), "late")
 
 
 @pytest.mark.parametrize("key", ["model_path", "max_model_len"])

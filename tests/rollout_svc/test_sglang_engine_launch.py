@@ -1,7 +1,10 @@
 """The SGLang engine's server life: options naming exactly one server, a server it launches
 itself (the stand-in of `sglang_stand_in.py`, run as the server script) and stops on close, one
-that exits during start-up, and one that goes away."""
+that exits during start-up, one that dies while serving, and one that goes away."""
 
+import asyncio
+import os
+import signal
 import sys
 
 import httpx
@@ -71,6 +74,21 @@ async def test_launch_starts_the_server_with_its_arguments_and_stops_it():
     async with httpx.AsyncClient(trust_env=False) as client:
         with pytest.raises(httpx.ConnectError):
             await client.get(f"{engine.url}/health_generate")
+
+
+async def test_the_watch_reports_a_launched_server_that_dies():
+    launch = SglangLaunchOptions(port=0, command=stand_in_command())
+    options = SglangEngineOptions(launch=launch, **engine_options(startup_timeout_seconds=120))
+    engine = await SglangEngine.create(options, "stand-in/launched", MAX_MODEL_LEN)
+    try:
+        watching = asyncio.create_task(engine.watch())
+        await asyncio.sleep(0.5)
+        assert not watching.done()
+        os.killpg(engine._process.pid, signal.SIGKILL)  # the server's whole process group
+        with pytest.raises(UnavailableError, match=r"exited with code -9; its log is above"):
+            await asyncio.wait_for(watching, timeout=30)
+    finally:
+        await engine.close()
 
 
 async def test_launch_reports_a_server_that_exits_during_start_up():

@@ -403,6 +403,40 @@ async def test_stop_cancels_calls_still_running_after_the_grace():
     assert info.value.status in ("UNAVAILABLE", "CANCELLED")
 
 
+async def test_a_failed_watch_stops_the_server_and_is_raised(capsys):
+    engine_died = asyncio.Event()
+
+    async def engine_watch() -> None:
+        await engine_died.wait()
+        raise errors.UnavailableError("the engine's worker failed")
+
+    serving = asyncio.create_task(
+        rpc.serve(
+            ServerConfig(port=0, shutdown_grace_seconds=1),
+            TOOL_SERVICE,
+            lambda server: tool_pb2_grpc.add_ToolServiceServicer_to_server(
+                ProbeToolServicer(), server
+            ),
+            watch=engine_watch(),
+        )
+    )
+    printed = ""
+    while "serving ToolService on 127.0.0.1:" not in printed:
+        await asyncio.sleep(0.01)
+        printed += capsys.readouterr().out
+    config = ClientConfig(address=printed.split()[-1])
+    await rpc.wait_until_serving(config, service=TOOL_SERVICE.full_name, timeout_seconds=5)
+    async with rpc.open_channel(config) as channel:
+        engine_died.set()
+        with pytest.raises(errors.UnavailableError, match="worker failed"):
+            await serving
+        with pytest.raises(errors.RpcError) as info:
+            await tool_pb2_grpc.ToolServiceStub(channel).ListTools(
+                tool_pb2.ListToolsRequest(), timeout=5
+            )
+    assert info.value.status == "UNAVAILABLE"
+
+
 def rpc_error(code: grpc.StatusCode) -> errors.RpcError:
     return rpc.RPC_ERROR_BY_STATUS.get(code, errors.RpcError)(
         "probe", method="/probe", address="probe:1", status=code.name, details="probe"

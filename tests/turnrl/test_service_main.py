@@ -11,7 +11,7 @@ import pytest
 
 from tool_svc.config import ToolConfig
 from turnrl import service_main
-from turnrl.errors import ConfigError
+from turnrl.errors import ConfigError, UnavailableError
 
 
 @pytest.fixture(autouse=True)
@@ -76,17 +76,24 @@ def test_a_bad_key_in_the_file_names_the_file(tmp_path, capsys):
     )
 
 
-def test_a_service_that_cannot_start_exits_1_and_a_config_error_2(capsys):
+def test_a_service_that_cannot_start_or_serve_exits_1_and_a_config_error_2(capsys):
     async def port_taken(config: ToolConfig) -> None:
         raise OSError("cannot bind ToolService to 127.0.0.1:7001")
 
     async def no_model(config: ToolConfig) -> None:
         raise ConfigError("rollout.model_path is null")
 
+    async def engine_died(config: ToolConfig) -> None:
+        raise UnavailableError("the hf engine's worker failed")
+
     with pytest.raises(SystemExit) as exit_info:
         service_main.run("tool", port_taken, ToolConfig())
     assert exit_info.value.code == service_main.EXIT_FAILED
     assert "python -m tool_svc: cannot bind ToolService" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        service_main.run("tool", engine_died, ToolConfig())
+    assert exit_info.value.code == service_main.EXIT_FAILED
+    assert "python -m tool_svc: the hf engine's worker failed" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         service_main.run("tool", no_model, ToolConfig())
     assert exit_info.value.code == service_main.EXIT_USAGE
