@@ -291,7 +291,13 @@ class RolloutService:
             "running_trajectories": self.in_flight,
             "finished_trajectories": self._finished,
             "uptime_seconds": time.monotonic() - self._started,
-            "metrics": self._engine.stats(),
+            "metrics": {
+                **self._engine.stats(),
+                # Tries again are why these did not fail their trajectories: the faults that
+                # were ridden out, counted.
+                "tool_unavailable_answers": self._loop.tool_client.unavailable_answers,
+                "reward_unavailable_answers": self._loop.reward_replicas.unavailable_answers,
+            },
         }
 
     @property

@@ -22,6 +22,11 @@ class ToolClient:
     def __init__(self, config: ClientConfig) -> None:
         self._replicas = ReplicaSet(config, tool_pb2_grpc.ToolServiceStub)
 
+    @property
+    def unavailable_answers(self) -> int:
+        """Calls a replica answered UNAVAILABLE (`ReplicaSet.unavailable_answers`)."""
+        return self._replicas.unavailable_answers
+
     async def list_tools(
         self, request: tool_pb2.ListToolsRequest, timeout_seconds: float
     ) -> tool_pb2.ListToolsResponse:

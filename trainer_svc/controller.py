@@ -71,6 +71,9 @@ class Controller(RunLoop):
         state = await self._restore_checkpoint() if resume else None
         if state is not None:
             self._resume_from(state)
+        # What the restored model trained on, only: a run resumed with no checkpoint yet (its
+        # trainer died before the first) starts its ledger again.
+        self.ledger.rewind(self.step)
         self._open_report(state is not None, REWARD_PLOT)
         self.router = RolloutRouter(config.rollout_service, self._catch_up)
         # A push and a catch-up both read the last push's weights, which a push rewrites.
@@ -94,7 +97,6 @@ class Controller(RunLoop):
         """Continues the loop's own state from a checkpoint (the models, the step and the data
         position are restored already)."""
         self.generator.set_state(state["generator"])
-        self.ledger.rewind(self.step)
 
     async def _train_step(self) -> None:
         self.step += 1

@@ -60,6 +60,9 @@ class ReplicaSet(Generic[S]):
             for address, channel in zip(addresses, self._channels, strict=True)
         ]
         self._cooldown_seconds = cooldown_seconds
+        # Calls any replica answered UNAVAILABLE (tries of a retried call each count): how
+        # often the service was down or restarting, as its callers saw it.
+        self.unavailable_answers = 0
         self._pinned: dict[str, Replica[S]] = {}
         self._next = 0  # where the round-robin tie break starts
 
@@ -76,6 +79,7 @@ class ReplicaSet(Generic[S]):
             yield replica
         except UnavailableError:
             replica.down_until = time.monotonic() + self._cooldown_seconds
+            self.unavailable_answers += 1
             raise
         else:
             replica.down_until = 0.0

@@ -16,12 +16,13 @@ from rich.console import Console
 from rich.table import Table
 
 from turnrl import errors, rpc
-from turnrl.config import CLIENT_TOKEN_ENV
+from turnrl.config import CLIENT_TOKEN_ENV, ClientConfig
 from turnrl.errors import ConfigError
 from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
 from turnrl_cli.launch_token import LAUNCH_TOKEN_ENV, launch_token_overrides
 from turnrl_cli.model_paths import load_with_tiny_model
 from turnrl_cli.processes import (
+    STARTUP_TIMEOUT_SECONDS,
     LaunchedService,
     ServiceDiedError,
     StartupInterruptedError,
@@ -73,29 +74,25 @@ async def run(config_path: Path, overrides: Sequence[str], resume: bool) -> int:
         async with start_services(project, config_path, overrides, stop_requested) as services:
             trainers = [s for s in services if s.name == "trainer" and s.replica == 0]
             trainer = trainers[0].client_config() if trainers else project.trainer_service
-            async with rpc.open_channel(trainer) as channel:
-                stub = trainer_pb2_grpc.TrainerServiceStub(channel)
-                request = trainer_pb2.StartRunRequest(
-                    config_yaml=_run_config_yaml(project, services), resume=resume
+            # A trainer this launch restarts gets the run again, to resume.
+            restarted = bool(trainers) and project.launcher.restart.trainer.mode == "on-failure"
+            supervisor = asyncio.create_task(
+                _supervise_run(services, project, stop_requested, console)
+            )
+            try:
+                code = await _submit_and_follow(
+                    trainer,
+                    trainer_pb2.StartRunRequest(
+                        config_yaml=_run_config_yaml(project, services), resume=resume
+                    ),
+                    supervisor if restarted else None,
+                    stop_requested,
+                    console,
                 )
-                try:
-                    reply = await stub.StartRun(request, timeout=60.0)
-                except errors.RpcError as e:
-                    console.print(
-                        f"[red]turnrl run: StartRun failed: {e.status}: {e.details}[/red]",
-                        highlight=False,
-                    )
-                    return 1
-                console.print(f"run {reply.run.name!r} started in {reply.run.output_dir}")
-                supervisor = asyncio.create_task(
-                    _supervise_run(services, project, stop_requested, console)
-                )
-                try:
-                    code = await follow_run(stub, reply.run, stop_requested, console)
-                finally:  # before the services stop: none is started again on the way out
-                    supervisor.cancel()
-                gave_up = supervisor.done() and not supervisor.cancelled() and supervisor.result()
-                return 1 if gave_up else code
+            finally:  # before the services stop: none is started again on the way out
+                supervisor.cancel()
+            gave_up = supervisor.done() and not supervisor.cancelled() and supervisor.result()
+            return 1 if gave_up else code
     except ServiceDiedError as e:
         console.print(f"[red]turnrl run: {e}[/red]", highlight=False)
         return 1
@@ -114,6 +111,62 @@ async def _load(
         overrides = [*overrides, *token_overrides]
         project = load_project_config(config_path, overrides)
     return project, overrides
+
+
+async def _submit_and_follow(
+    trainer: ClientConfig,
+    request: trainer_pb2.StartRunRequest,
+    supervisor: asyncio.Task | None,
+    stop_requested: asyncio.Event,
+    console: Console,
+) -> int:
+    """Submits the run (StartRun) and follows it to its end (`follow_run`); 1 when StartRun
+    fails. With the `supervisor` of a trainer that this launch starts again when it dies
+    (`launcher.restart.trainer`), a trainer lost mid-run gets the run again, with resume,
+    once it is back: the run continues from its last checkpoint. Without, the loss is raised."""
+    while True:
+        async with rpc.open_channel(trainer) as channel:
+            stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+            try:
+                reply = await stub.StartRun(request, timeout=60.0)
+            except errors.RpcError as e:
+                console.print(
+                    f"[red]turnrl run: StartRun failed: {e.status}: {e.details}[/red]",
+                    highlight=False,
+                )
+                return 1
+            verb = "resumed" if request.resume else "started"
+            console.print(
+                f"run {reply.run.name!r} {verb} in {reply.run.output_dir}", soft_wrap=True
+            )
+            try:
+                return await follow_run(stub, reply.run, stop_requested, console)
+            except errors.UnavailableError as e:
+                if supervisor is None:
+                    raise
+                console.print(
+                    f"the trainer went away mid-run ({e.details}); the run resumes from its "
+                    "last checkpoint once the trainer is back",
+                    soft_wrap=True,
+                )
+        if not await _trainer_back(trainer, supervisor, stop_requested):
+            return 1
+        request = trainer_pb2.StartRunRequest(config_yaml=request.config_yaml, resume=True)
+
+
+async def _trainer_back(
+    trainer: ClientConfig, supervisor: asyncio.Task, stop_requested: asyncio.Event
+) -> bool:
+    """Waits until the restarted trainer is SERVING again at its address; False when its
+    supervisor gave up on it, or Ctrl-C came, first."""
+    back = asyncio.ensure_future(
+        rpc.wait_until_serving(trainer, timeout_seconds=STARTUP_TIMEOUT_SECONDS)
+    )
+    stopped = asyncio.ensure_future(stop_requested.wait())
+    await asyncio.wait([back, supervisor, stopped], return_when=asyncio.FIRST_COMPLETED)
+    back.cancel()
+    stopped.cancel()
+    return back.done() and not back.cancelled() and back.exception() is None
 
 
 async def _supervise_run(

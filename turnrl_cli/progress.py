@@ -38,14 +38,16 @@ async def follow_run(
     ) as progress:
         bar = progress.add_task(run.name, total=run.total_steps, status="starting")
         request = trainer_pb2.StreamProgressRequest(run_name=run.name)
-        async for event in stub.StreamProgress(request):
-            if event.stage == "setup":  # an SFT run counted in epochs knows its length from here
-                reply = await stub.GetRun(trainer_pb2.GetRunRequest(run_name=run.name), timeout=30)
-                progress.update(bar, total=reply.run.total_steps)
-            progress.update(bar, completed=event.step, status=_status_line(event))
-            if event.stage in ("eval", "setup", "state") and event.message:
-                progress.console.print(f"step {event.step}: {event.stage}: {event.message}")
-    stopper.cancel()
+        try:
+            async for event in stub.StreamProgress(request):
+                if event.stage == "setup":  # an SFT run counted in epochs knows its length here
+                    get = trainer_pb2.GetRunRequest(run_name=run.name)
+                    progress.update(bar, total=(await stub.GetRun(get, timeout=30)).run.total_steps)
+                progress.update(bar, completed=event.step, status=_status_line(event))
+                if event.stage in ("eval", "setup", "state") and event.message:
+                    progress.console.print(f"step {event.step}: {event.stage}: {event.message}")
+        finally:  # the trainer may be gone: a later Ctrl-C is not this follower's to forward
+            stopper.cancel()
     final = (await stub.GetRun(trainer_pb2.GetRunRequest(run_name=run.name), timeout=30)).run
     if final.state == State.STATE_FAILED:
         console.print(f"[red]turnrl run: run failed: {final.error_message}[/red]", highlight=False)

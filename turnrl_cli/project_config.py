@@ -6,9 +6,9 @@ a service itself receives only its own section.
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from reward_svc.config import RewardConfig
 from rollout_svc.config import RolloutConfig
@@ -95,8 +95,10 @@ class RestartPolicies(StrictModel):
     )
     trainer: RestartPolicy = Field(
         default_factory=lambda: RestartPolicy(mode="never"),
-        description="The trainer: not restarted, since a trainer started again has lost its "
-        "run (`turnrl run --resume` continues it from its last checkpoint).",
+        description="The trainer. never: a trainer that dies stops the run (`turnrl run "
+        "--resume` continues it from its last checkpoint); on-failure: `turnrl run` submits "
+        "the run again to the restarted trainer, with resume, which does the same by itself. "
+        "Not on Ray with several ranks: a rank started again alone cannot rejoin the others.",
     )
 
 
@@ -152,6 +154,17 @@ class ProjectConfig(StrictModel):
         description="A trainer service already running, which `turnrl run` submits to; None: "
         "`turnrl run` starts one.",
     )
+
+    @model_validator(mode="after")
+    def _trainer_ranks_restart_together(self) -> Self:
+        restart = self.launcher.restart.trainer.mode
+        if self.launcher.kind == "ray" and self.trainer.ranks > 1 and restart == "on-failure":
+            raise ValueError(
+                "launcher.restart.trainer.mode on-failure with trainer.ranks > 1 on Ray: a rank "
+                "started again alone cannot rejoin the others; set it to never (a run then "
+                "stops, and `turnrl run --resume` continues it)"
+            )
+        return self
 
     def server(self, name: str) -> ServerConfig:
         """Where service `name` listens."""

@@ -1,7 +1,8 @@
 """Fault injection: a real `turnrl run` of the calculator task through the four services, in
 which one service is killed with SIGKILL in the middle of a step. Its launcher starts it again
-at its address, its callers ride the restart out, and the run reaches its planned step count
-with every prompt trained exactly once."""
+at its address, its callers ride the restart out (a restarted trainer is given the run again,
+to resume), and the run reaches its planned step count with every prompt trained exactly
+once."""
 
 import asyncio
 import json
@@ -53,7 +54,11 @@ def _steps_logged(run_dir: Path) -> int:
     return len(_metric_lines(run_dir))
 
 
-@pytest.mark.parametrize("victim", ["tool", "reward", "rollout"])
+# The trainer is restarted when its policy says so, and resumes from its last checkpoint.
+RESTARTED_TRAINER = ["launcher.restart.trainer.mode=on-failure", "trainer.checkpoint_every=1"]
+
+
+@pytest.mark.parametrize("victim", ["tool", "reward", "rollout", "trainer"])
 async def test_a_service_killed_mid_step_is_restarted_and_the_run_loses_nothing(
     victim, tmp_path, example_on_tiny_model
 ):
@@ -62,6 +67,7 @@ async def test_a_service_killed_mid_step_is_restarted_and_the_run_loses_nothing(
         "run", "--config", str(EXAMPLE_CONFIG), *FREE_PORTS, *example_on_tiny_model,
         f"trainer.output_dir={tmp_path}", "trainer.run_name=faults",
         f"trainer.steps={STEPS}", "trainer.eval_every=0", "trainer.checkpoint_every=0",
+        *(RESTARTED_TRAINER if victim == "trainer" else []),
         f"trainer.rollout.prompts_per_step={PROMPTS_PER_STEP}",
         "trainer.rollout.samples_per_prompt=4", "trainer.wandb_mode=disabled",
         "trainer.data.generated_train_size=64", "trainer.data.generated_eval_size=4",
@@ -91,3 +97,8 @@ async def test_a_service_killed_mid_step_is_restarted_and_the_run_loses_nothing(
     assert all(line["rollout/infra_failed_trajectories"] == 0 for line in lines)
     if victim == "rollout":
         assert lines[1]["router/redispatched_groups"] >= 1
+    if victim == "reward":  # the trajectories running at the kill scored during the restart
+        assert lines[-1]["engine/reward_unavailable_answers"] >= 1
+    if victim == "trainer":  # killed in step 2: resumed from step 1's checkpoint
+        assert "the run resumes from its last checkpoint" in log, log[-4000:]
+        assert "run 'faults' resumed in" in log, log[-4000:]

@@ -67,6 +67,7 @@ async def test_one_address_is_one_replica_that_takes_every_call():
         for _ in range(2):  # still its only replica after an UNAVAILABLE
             with pytest.raises(UnavailableError, match=r"at 127\.0\.0\.1:1 failed"):
                 await list_tools(replicas)
+        assert replicas.unavailable_answers == 2  # counted for the caller's metrics
 
 
 async def test_calls_take_turns_when_none_is_in_flight():
