@@ -15,11 +15,16 @@ from turnrl import rpc, service_main
 from turnrl.errors import InvalidArgumentError
 from turnrl.messages import message_to_dict
 from turnrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from turnrl.weights import TensorMeta
+from turnrl.weights import LAYOUTS, TensorMeta
 
 BACKEND_NAMES = {
     rollout_pb2.InitWeightSyncRequest.BACKEND_GLOO: "gloo",
     rollout_pb2.InitWeightSyncRequest.BACKEND_NCCL: "nccl",
+}
+# An update's WeightLayout by its name in turnrl.weights.LAYOUTS; unset reads as aligned buckets.
+LAYOUT_NAMES = {
+    rollout_pb2.WEIGHT_LAYOUT_UNSPECIFIED: "aligned_buckets",
+    **{wire: name for name, wire in LAYOUTS.items()},
 }
 DEFAULT_JOIN_TIMEOUT_SECONDS = 300.0
 MAX_PORT = 65_535
@@ -73,7 +78,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             if request.HasField("timeout")
             else DEFAULT_JOIN_TIMEOUT_SECONDS
         )
-        ranks = await self._service.init_weight_sync(
+        ranks, layout = await self._service.init_weight_sync(
             request.master_address,
             request.master_port,
             request.world_size,
@@ -82,14 +87,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             request.group_name,
             timeout,
         )
-        return rollout_pb2.InitWeightSyncResponse(ranks_joined=ranks)
+        return rollout_pb2.InitWeightSyncResponse(ranks_joined=ranks, layout=LAYOUTS[layout])
 
     async def UpdateWeights(self, request, context):
+        if request.layout not in LAYOUT_NAMES:
+            raise InvalidArgumentError(f"layout {request.layout} is not a WeightLayout")
         version, size, seconds = await self._service.update_weights(
             request.group_name,
             _metas(request.tensors),
             request.bucket_size_bytes,
             request.policy_version,
+            LAYOUT_NAMES[request.layout],
         )
         return rollout_pb2.UpdateWeightsResponse(
             policy_version=version, bytes_received=size, elapsed_seconds=seconds
@@ -123,6 +131,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             running_trajectories=stats["running_trajectories"],
             finished_trajectories=stats["finished_trajectories"],
             uptime=uptime,
+            weight_sync_ranks=stats["weight_sync_ranks"],
             metrics={k: float(v) for k, v in stats["metrics"].items()},
         )
 

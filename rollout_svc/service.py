@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 from rollout_svc.agent_loop import AgentLoop, PromptSpec, RolloutLimits
 from rollout_svc.config import InteractionEntry, RolloutConfig
 from rollout_svc.engines import ENGINES
-from rollout_svc.engines.base import Engine, SamplingParams
+from rollout_svc.engines.base import Engine, SamplingParams, ServerHeldWeights
 from rollout_svc.interactions import INTERACTIONS
 from rollout_svc.interactions.base import Interaction
 from rollout_svc.parsers import PARSERS
@@ -208,9 +208,17 @@ class RolloutService:
     async def init_weight_sync(
         self, master_address: str, master_port: int, world_size: int, rank_offset: int,
         backend: str, group_name: str, timeout_seconds: float,
-    ) -> int:  # fmt: skip
-        """Joins the trainer's weight-sync group with one rank; returns 1. Raises
-        DeadlineExceededError when the group does not form within `timeout_seconds`."""
+    ) -> tuple[int, str]:  # fmt: skip
+        """Joins the trainer's weight-sync group: the engine's server with its own ranks, or
+        this process with one rank; returns the ranks joined and the layout they receive
+        (turnrl.weights.LAYOUTS). Raises DeadlineExceededError when the group does not form
+        within `timeout_seconds`."""
+        if isinstance(self._engine, ServerHeldWeights):
+            await self._engine.join_weight_sync(
+                master_address, master_port, world_size, rank_offset, backend, group_name,
+                timeout_seconds,
+            )  # fmt: skip
+            return self._engine.weight_sync_ranks, "per_tensor"
         try:
             await self._receiver.join(
                 master_address,
@@ -223,18 +231,23 @@ class RolloutService:
             )
         except TimeoutError as e:
             raise DeadlineExceededError(str(e)) from e
-        return 1
+        return 1, "aligned_buckets"
 
     async def update_weights(
-        self, group_name: str, metas: list[TensorMeta], bucket_size_bytes: int, policy_version: int
+        self,
+        group_name: str,
+        metas: list[TensorMeta],
+        bucket_size_bytes: int,
+        policy_version: int,
+        layout: str,
     ) -> tuple[int, int, float]:
-        """Receives broadcast weights and loads each bucket while the next one arrives;
-        (version, bytes, seconds).
+        """Receives weights the trainer broadcasts in `layout` and loads each bucket while the
+        next one arrives (or has the engine's server receive them); (version, bytes, seconds).
 
         The engine takes `policy_version` with the last bucket, so a broadcast that breaks
         off leaves the old version on the weights loaded so far (the next push, being newer,
-        replaces all of them). Tensors the engine would refuse are received and dropped, so
-        the trainer's broadcast still completes, and the refusal is raised after.
+        replaces all of them). Tensors an engine in this process would refuse are received and
+        dropped, so the trainer's broadcast still completes, and the refusal is raised after.
         """
         self._check_version(policy_version)
         if bucket_size_bytes <= 0:
@@ -242,6 +255,17 @@ class RolloutService:
                 f"bucket_size_bytes must be positive, got {bucket_size_bytes}"
             )
         started = time.monotonic()
+        size = sum(meta.nbytes for meta in metas)
+        if isinstance(self._engine, ServerHeldWeights):
+            if layout != "per_tensor":
+                raise InvalidArgumentError(
+                    f"the {self._config.engine} server receives per_tensor updates, not {layout}"
+                )
+            async with self._paused_engine():
+                await self._engine.receive_weights(
+                    group_name, metas, bucket_size_bytes, policy_version
+                )
+            return self._engine.policy_version, size, time.monotonic() - started
         try:
             self._engine.check_weights(metas)
             refusal = None
@@ -252,7 +276,7 @@ class RolloutService:
             place = None
             if refusal is None:
                 place = await self._engine.weight_buffer(metas, bucket_size_bytes)
-            buckets = self._receiver.receive(group_name, metas, bucket_size_bytes, place)
+            buckets = self._receiver.receive(group_name, metas, bucket_size_bytes, layout, place)
             old_version, loaded = self._engine.policy_version, 0
             async for bucket in buckets:
                 if refusal is None:
@@ -261,7 +285,6 @@ class RolloutService:
                     await self._load(bucket, version)
         if refusal is not None:
             raise refusal
-        size = sum(meta.nbytes for meta in metas)
         return self._engine.policy_version, size, time.monotonic() - started
 
     async def push_weights(
@@ -291,6 +314,9 @@ class RolloutService:
             "running_trajectories": self.in_flight,
             "finished_trajectories": self._finished,
             "uptime_seconds": time.monotonic() - self._started,
+            "weight_sync_ranks": (
+                self._engine.weight_sync_ranks if isinstance(self._engine, ServerHeldWeights) else 1
+            ),
             "metrics": {
                 **self._engine.stats(),
                 # Tries again are why these did not fail their trajectories: the faults that

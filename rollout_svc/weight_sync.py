@@ -1,9 +1,9 @@
 """Receiving new policy weights: bucketed broadcasts over a torch.distributed group joined
 with the trainer's rank 0 (gloo on CPU, NCCL on GPU), or a gRPC stream of chunks.
 
-The group is a process group of its own on a separate TCPStore, not the default
-`init_process_group` one, so an engine that uses torch.distributed itself is unaffected.
-Collective calls block, so they run in a worker thread, never on the event loop.
+The group is a process group of its own (`turnrl.weight_group`, formed as SGLang forms its),
+not the default `init_process_group` one, so an engine that uses torch.distributed itself is
+unaffected. Collective calls block, so they run in a worker thread, never on the event loop.
 """
 
 import asyncio
@@ -14,9 +14,8 @@ import torch
 import torch.distributed as dist
 
 from turnrl.errors import FailedPreconditionError, InvalidArgumentError
+from turnrl.weight_group import BACKENDS, broadcast, form_group, join_store, leave_group
 from turnrl.weights import BucketedWeights, TensorMeta
-
-BACKENDS = ("gloo", "nccl")
 
 
 class WeightReceiver:
@@ -52,14 +51,11 @@ class WeightReceiver:
         timeout = datetime.timedelta(seconds=timeout_seconds)
 
         def connect() -> dist.ProcessGroup:
-            store = dist.TCPStore(master_address, master_port, world_size, False, timeout)
-            if backend == "gloo":
-                return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-            return dist.ProcessGroupNCCL(store, rank, world_size)
+            store = join_store(master_address, master_port, world_size, timeout)
+            return form_group(store, rank, world_size, backend, group_name, timeout)
 
-        if self._group is not None:  # the trainer formed a new group (its replicas changed)
-            self._group.shutdown()
-            self._group = None
+        # The trainer formed a new group (its replicas changed, or it was restarted).
+        self.leave()
         try:
             self._group = await asyncio.to_thread(connect)
         except RuntimeError as e:
@@ -70,16 +66,23 @@ class WeightReceiver:
         self._group_name = group_name
         self._device = "cuda" if backend == "nccl" else "cpu"
 
+    def leave(self) -> None:
+        """Leaves the group this replica is in, if any."""
+        if self._group is not None:
+            leave_group(self._group)
+            self._group = None
+
     async def receive(
         self,
         group_name: str,
         metas: list[TensorMeta],
         bucket_size_bytes: int,
+        layout: str,
         into: BucketedWeights | None = None,
     ) -> AsyncIterator[list[tuple[str, torch.Tensor]]]:
-        """Receives one update broadcast by rank 0 and yields it bucket by bucket, in `metas`
-        order: each bucket as soon as it has arrived, while the next one is received, so that
-        loading one overlaps receiving the next.
+        """Receives one update broadcast by rank 0 in `layout` (turnrl.weights.LAYOUTS) and
+        yields it bucket by bucket, in `metas` order: each bucket as soon as it has arrived,
+        while the next one is received, so that loading one overlaps receiving the next.
 
         The update lands in `into` (an engine's own parameters, laid out for this update) or,
         without it, in a staging buffer that the next update overwrites: load (copy) those
@@ -104,11 +107,10 @@ class WeightReceiver:
         def receive_all() -> None:
             """Receives the buckets in turn (in a worker thread), announcing each as it lands:
             the next one is posted at once, not when the event loop gets round to it."""
-            options = dist.BroadcastOptions()
-            options.rootRank = 0
             try:
                 for index in range(len(into.buckets)):
-                    group.broadcast([into.bucket(index)], options).wait()
+                    for piece in into.broadcast_pieces(index, layout):
+                        broadcast(group, piece)
                     loop.call_soon_threadsafe(arrived.put_nowait, index)
             except BaseException:
                 loop.call_soon_threadsafe(arrived.put_nowait, None)

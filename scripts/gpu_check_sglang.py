@@ -18,7 +18,8 @@ Exit code: 0 when every check passed, 1 when one failed, 2 when a prerequisite i
                      (what importance ratios need) or the raw one? Either passes; see "follows"
   stop_token         a stop token ends the turn, stays the last id, finish reason STOP
   abort              abort() of a running request returns FinishReason.ABORT with its tokens
-  weight_sync        joins a weight group; pauses with a request in flight; receives every
+  weight_sync        the server joins a weight group that turnrl's own rank 0 forms
+                     (turnrl.weight_group); pauses with a request in flight; receives every
                      parameter (final norm scaled by 0.7) in buckets; resumes. The request
                      finishes across the push, new samples match the changed teacher (not the
                      old one) and carry policy version 1
@@ -30,11 +31,10 @@ more the teacher sits on cuda:1 and the group uses NCCL, as in training.
 
 import argparse
 import asyncio
-import importlib
+import datetime
 import importlib.util
 import json
 import shlex
-import socket
 import sys
 import time
 import traceback
@@ -47,6 +47,7 @@ import torch
 from rollout_svc.engines.base import FinishReason, GenerateOutput, SamplingParams
 from rollout_svc.engines.sglang import SglangEngine, SglangEngineOptions
 from rollout_svc.engines.sglang_server import SglangLaunchOptions
+from turnrl.weight_group import broadcast, form_group, host_store
 
 DEFAULT_SGLANG_ARGS = "--dtype bfloat16 --mem-fraction-static 0.5 --disable-cuda-graph"
 GROUP_NAME = "turnrl_gpu_check"
@@ -272,36 +273,20 @@ def buckets(model: torch.nn.Module) -> list[list[tuple[str, torch.Tensor]]]:
     return result
 
 
-def broadcast(bucket: list[tuple[str, torch.Tensor]], group) -> None:
+def broadcast_bucket(bucket: list[tuple[str, torch.Tensor]], group) -> None:
     for _, tensor in bucket:
-        torch.distributed.broadcast(tensor.contiguous(), src=0, group=group)
-
-
-def init_custom_process_group():
-    """SGLang's helper for a process group beside the default one (moved between versions)."""
-    for module in ("sglang.srt.utils", "sglang.srt.utils.common"):
-        helper = getattr(importlib.import_module(module), "init_custom_process_group", None)
-        if helper is not None:
-            return helper
-    raise RuntimeError("sglang has no init_custom_process_group helper")
+        broadcast(group, tensor.contiguous())
 
 
 async def check_weight_sync(ctx: Context) -> dict:
     backend = ctx.args.weight_sync_backend or ("nccl" if torch.cuda.device_count() > 1 else "gloo")
-    port = free_port()
-    progress(f"weight sync: joining group {GROUP_NAME!r} over {backend} on port {port}")
+    timeout = datetime.timedelta(seconds=120)
+    # turnrl's own rank 0 (turnrl.weight_group), as the trainer forms the group.
+    store = host_store("127.0.0.1", 0, 2, timeout)
+    progress(f"weight sync: joining group {GROUP_NAME!r} over {backend} on port {store.port}")
     _, group = await asyncio.gather(
-        ctx.engine.init_weight_sync(
-            "127.0.0.1", port, 1, 2, group_name=GROUP_NAME, backend=backend
-        ),
-        asyncio.to_thread(
-            init_custom_process_group(),
-            backend=backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            world_size=2,
-            rank=0,
-            group_name=GROUP_NAME,
-        ),
+        ctx.engine.join_weight_sync("127.0.0.1", store.port, 2, 1, backend, GROUP_NAME, 120),
+        asyncio.to_thread(form_group, store, 0, 2, backend, GROUP_NAME, timeout),
     )
     norm_name, norm = final_norm(ctx.teacher)
     original = norm.detach().clone()
@@ -326,7 +311,7 @@ async def check_weight_sync(ctx: Context) -> dict:
                 group_name=GROUP_NAME,
                 flush_cache=index == len(parts) - 1,
             ),
-            asyncio.to_thread(broadcast, bucket, group),
+            asyncio.to_thread(broadcast_bucket, bucket, group),
         )
     push_seconds = time.monotonic() - started
     await ctx.engine.resume()
@@ -382,12 +367,6 @@ async def check_shutdown(url: str) -> dict:
         except httpx.TransportError:
             return {"ok": True}
     return {"ok": False, "error": f"{url} still answers after close()"}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 async def run_check(name: str, check: Callable[[], Awaitable[dict]], limit_seconds: float) -> dict:

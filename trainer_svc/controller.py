@@ -111,6 +111,8 @@ class Controller(RunLoop):
         pushed = await self._push()
         metrics["time/push"] = time.monotonic() - started
         metrics["time/push_stall"] = pushed.seconds  # generation paused, Pause to Resume
+        # 0 when no weight-sync group formed and the weights went as gRPC streams (slower).
+        metrics["push/broadcast"] = float(pushed.mode == "broadcast")
         self.emit(ProgressEvent(self.step, "push", {"time/push": metrics["time/push"]}))
         # The engine's own gauges and running totals (busy seconds, tokens, cache hits), as
         # the rollout service reports them.

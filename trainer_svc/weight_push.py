@@ -1,12 +1,15 @@
 """The trainer's end of weight sync (DESIGN "Weight sync"): rank 0 pushes the policy to every
 rollout replica.
 
-`WeightPusher.connect` forms the weight-sync group: this process hosts the group's TCPStore
-and joins as rank 0 while each replica joins through InitWeightSync with one rank (replica i
-is rank i + 1). `push` pauses every replica, sends one update, and resumes them, also when the
-push fails. An update is `BucketedWeights`, the tensors already laid out as they travel: one
-broadcast per bucket, straight from its memory, while every replica's UpdateWeights call
-receives it; when no group could be formed, a PushWeights stream of chunks to each replica.
+`WeightPusher.connect` forms the weight-sync group (`turnrl.weight_group`, as SGLang forms
+its): this process hosts the group's TCPStore and joins as rank 0 while each replica joins
+through InitWeightSync with the ranks it asks for (GetStats' `weight_sync_ranks`: one for an hf
+replica, an SGLang server's tensor-parallel size), in order. `push` pauses every replica, sends
+one update, and resumes them, also when the push fails. An update is `BucketedWeights`, the
+tensors already laid out as they travel: one broadcast per bucket, straight from its memory,
+or one per tensor when a member receives only that (an SGLang server), while every replica's
+UpdateWeights call receives it; when no group could be formed, a PushWeights stream of chunks
+to each replica.
 
 Collectives block, so they run in a worker thread. A failed broadcast leaves the ranks out of
 step: the group is dropped and later pushes go over gRPC.
@@ -26,7 +29,8 @@ from google.protobuf import duration_pb2
 
 from turnrl import errors
 from turnrl.v1 import rollout_pb2, rollout_pb2_grpc
-from turnrl.weights import BucketedWeights
+from turnrl.weight_group import broadcast, form_group, host_store, leave_group
+from turnrl.weights import LAYOUTS, BucketedWeights
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,7 @@ class WeightPusher:
         self._device = device
         self._group: dist.ProcessGroup | None = None
         self._group_name = ""
+        self._layout = "aligned_buckets"  # per_tensor when a member receives only that
 
     @property
     def mode(self) -> Literal["broadcast", "grpc"]:
@@ -92,7 +97,7 @@ class WeightPusher:
         pusher = cls(rollout_stubs, "cuda" if backend == "nccl" else "cpu")
         if mode == "broadcast":
             try:
-                pusher._group = await pusher._form_group(
+                pusher._group, pusher._layout = await pusher._form_group(
                     backend, master_address, master_port, group_name, timeout_seconds
                 )
                 pusher._group_name = group_name
@@ -137,33 +142,33 @@ class WeightPusher:
     def close(self) -> None:
         """Leaves the group. Replicas keep their end until they join another group."""
         if self._group is not None:
-            self._group.shutdown()
+            leave_group(self._group)
             self._group = None
 
     async def _form_group(
         self, backend: str, address: str, port: int, group_name: str, timeout_seconds: float
-    ) -> dist.ProcessGroup:
-        """Hosts the store and joins as rank 0 while every replica joins."""
+    ) -> tuple[dist.ProcessGroup, str]:
+        """Hosts the store and joins as rank 0 while every replica joins with the ranks it
+        asks for (GetStats' weight_sync_ranks: an SGLang server's tensor-parallel ranks);
+        returns the group and the layout updates travel in (per_tensor when a member
+        receives only that)."""
         if backend == "nccl" and not dist.is_nccl_available():
             raise RuntimeError("this torch build has no NCCL")
-        world_size = 1 + len(self._stubs)
-        timeout = datetime.timedelta(seconds=timeout_seconds)
-        store = await asyncio.to_thread(
-            dist.TCPStore, address, port, world_size, True, timeout, wait_for_workers=False
+        stats = await _all(
+            stub.GetStats(rollout_pb2.GetStatsRequest(), timeout=CONTROL_TIMEOUT_SECONDS)
+            for stub in self._stubs
         )
-
-        def join() -> dist.ProcessGroup:
-            if backend == "gloo":
-                return dist.ProcessGroupGloo(store, 0, world_size, timeout)
-            return dist.ProcessGroupNCCL(store, 0, world_size)
-
+        ranks = [reply.weight_sync_ranks or 1 for reply in stats]
+        world_size = 1 + sum(ranks)
+        timeout = datetime.timedelta(seconds=timeout_seconds)
+        store = await asyncio.to_thread(host_store, address, port, world_size, timeout)
         join_timeout = duration_pb2.Duration()
         join_timeout.FromTimedelta(timeout)
         requests = [
             rollout_pb2.InitWeightSyncRequest(
                 master_address=address, master_port=store.port, world_size=world_size,
-                rank_offset=1 + index, backend=BACKENDS[backend], group_name=group_name,
-                timeout=join_timeout,
+                rank_offset=1 + sum(ranks[:index]), backend=BACKENDS[backend],
+                group_name=group_name, timeout=join_timeout,
             )
             for index in range(len(self._stubs))
         ]  # fmt: skip
@@ -172,17 +177,21 @@ class WeightPusher:
             stub.InitWeightSync(request, timeout=timeout_seconds + 5)
             for stub, request in zip(self._stubs, requests, strict=True)
         ]
-        group, *results = await asyncio.gather(
-            asyncio.to_thread(join), *calls, return_exceptions=True
-        )
-        for index, reply in enumerate(_replies(results)):
-            if reply.ranks_joined != 1:
+        joining = asyncio.to_thread(form_group, store, 0, world_size, backend, group_name, timeout)
+        group, *results = await asyncio.gather(joining, *calls, return_exceptions=True)
+        replies = _replies(results)
+        for index, reply in enumerate(replies):
+            if reply.ranks_joined != ranks[index]:
                 raise RuntimeError(
-                    f"rollout replica {index} joined with {reply.ranks_joined} ranks"
+                    f"rollout replica {index} joined with {reply.ranks_joined} ranks, not "
+                    f"{ranks[index]}"
                 )
         if isinstance(group, BaseException):
             raise group
-        return group
+        per_tensor = LAYOUTS["per_tensor"]
+        return group, (
+            "per_tensor" if any(r.layout == per_tensor for r in replies) else "aligned_buckets"
+        )
 
     async def _broadcast(
         self, weights: BucketedWeights, policy_version: int, timeout_seconds: float
@@ -192,6 +201,7 @@ class WeightPusher:
             tensors=[meta.to_proto() for meta in weights.metas],
             bucket_size_bytes=weights.bucket_size_bytes,
             policy_version=policy_version,
+            layout=LAYOUTS[self._layout],
         )
         # The replicas receive while rank 0 sends. Every call and the sender run to their end
         # (a replica that fails early leaves the sender waiting out the group's timeout), so
@@ -211,11 +221,11 @@ class WeightPusher:
         return replies
 
     def _send_buckets(self, weights: BucketedWeights) -> None:
-        """Broadcasts the buckets in order, each from where it lies (in a worker thread)."""
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
+        """Broadcasts the buckets in order, each from where it lies, whole or tensor by tensor
+        as the group's layout says (in a worker thread)."""
         for index in range(len(weights.buckets)):
-            self._group.broadcast([weights.bucket(index).to(self._device)], options).wait()
+            for piece in weights.broadcast_pieces(index, self._layout):
+                broadcast(self._group, piece.to(self._device))
 
     async def _stream(
         self, weights: BucketedWeights, policy_version: int, timeout_seconds: float

@@ -3,7 +3,8 @@ trainer (sender) and every rollout engine (receiver) must agree byte for byte.
 
 A push sends tensors in spec order, in flat buckets of at most `bucket_size_bytes` (a tensor
 larger than that gets a bucket of its own), one broadcast per bucket: far more bytes per
-second than one per tensor. Inside a bucket every tensor starts at a multiple of 64 bytes, so
+second than one per tensor, which is what SGLang receives (`LAYOUTS`' per_tensor; the same
+memory, each tensor broadcast from where it lies). Inside a bucket every tensor starts at a multiple of 64 bytes, so
 a bucket's bytes can be the tensors themselves: `BucketedWeights` keeps an update in exactly
 that layout. The trainer gathers its weights into one and broadcasts its buckets as they lie,
 and an engine whose parameters live in one receives the broadcast straight into them; no side
@@ -26,6 +27,12 @@ DTYPES = {
 WIRE_DTYPES = {dtype: wire for wire, dtype in DTYPES.items()}
 # Where each tensor may start: a multiple of every element size, and of a cache line.
 ALIGNMENT_BYTES = 64
+# How an update travels on the weight-sync group (rollout.proto's WeightLayout): one broadcast
+# per bucket in the layout below, or one per tensor, which SGLang's servers receive.
+LAYOUTS = {
+    "aligned_buckets": rollout_pb2.WEIGHT_LAYOUT_ALIGNED_BUCKETS,
+    "per_tensor": rollout_pb2.WEIGHT_LAYOUT_PER_TENSOR,
+}
 
 
 @dataclass(frozen=True)
@@ -74,22 +81,13 @@ class BucketedWeights:
         device: torch.device | str = "cpu",
         reuse: torch.Tensor | None = None,
     ) -> None:
-        if bucket_size_bytes <= 0:
-            raise ValueError(f"bucket_size_bytes must be positive, got {bucket_size_bytes}")
         self.metas = list(metas)
         self.bucket_size_bytes = bucket_size_bytes
-        self.buckets: list[list[int]] = []  # indices of `metas`, in order
-        self._offsets: list[int] = []  # each tensor's first byte in `data`
-        self._bounds: list[tuple[int, int]] = []  # each bucket's first and past-last byte
-        cursor = 0  # always aligned
-        for index, meta in enumerate(self.metas):
-            if not self.buckets or cursor - self._bounds[-1][0] + meta.nbytes > bucket_size_bytes:
-                self.buckets.append([])
-                self._bounds.append((cursor, cursor))
-            self.buckets[-1].append(index)
-            self._offsets.append(cursor)
-            self._bounds[-1] = (self._bounds[-1][0], cursor + meta.nbytes)
-            cursor += -(-meta.nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+        layout = _Layout(self.metas, bucket_size_bytes)
+        self.buckets = layout.buckets  # indices of `metas`, in order
+        self._offsets = layout.offsets  # each tensor's first byte in `data`
+        self._bounds = layout.bounds  # each bucket's first and past-last byte
+        cursor = layout.nbytes
         device = torch.device(device)
         if reuse is not None and reuse.device == device and reuse.numel() >= cursor:
             self.data = reuse[:cursor]
@@ -137,7 +135,41 @@ class BucketedWeights:
         meta, start = self.metas[index], self._offsets[index]
         return self.data[start : start + meta.nbytes].view(meta.dtype).view(meta.shape)
 
+    def broadcast_pieces(self, bucket: int, layout: str) -> list[torch.Tensor]:
+        """What bucket `bucket` travels as, one broadcast each, in `layout` (LAYOUTS): the
+        bucket's bytes whole, or each of its tensors."""
+        if layout == "per_tensor":
+            return [self.tensor(index) for index in self.buckets[bucket]]
+        return [self.bucket(bucket)]
+
     def named_tensors(self, bucket: int | None = None) -> list[tuple[str, torch.Tensor]]:
         """(name, view) of every tensor, or of bucket `bucket`'s, in order."""
         indices = range(len(self.metas)) if bucket is None else self.buckets[bucket]
         return [(self.metas[i].name, self.tensor(i)) for i in indices]
+
+
+def bucket_indices(metas: Sequence[TensorMeta], bucket_size_bytes: int) -> list[list[int]]:
+    """Which of `metas` travel in each bucket of an update, as `BucketedWeights` lays them out,
+    with no memory allocated."""
+    return _Layout(list(metas), bucket_size_bytes).buckets
+
+
+class _Layout:
+    """Where each tensor and bucket of an update lies in its buffer (BucketedWeights)."""
+
+    def __init__(self, metas: list[TensorMeta], bucket_size_bytes: int) -> None:
+        if bucket_size_bytes <= 0:
+            raise ValueError(f"bucket_size_bytes must be positive, got {bucket_size_bytes}")
+        self.buckets: list[list[int]] = []
+        self.offsets: list[int] = []
+        self.bounds: list[tuple[int, int]] = []
+        cursor = 0  # always aligned
+        for index, meta in enumerate(metas):
+            if not self.buckets or cursor - self.bounds[-1][0] + meta.nbytes > bucket_size_bytes:
+                self.buckets.append([])
+                self.bounds.append((cursor, cursor))
+            self.buckets[-1].append(index)
+            self.offsets.append(cursor)
+            self.bounds[-1] = (self.bounds[-1][0], cursor + meta.nbytes)
+            cursor += -(-meta.nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+        self.nbytes = cursor

@@ -8,7 +8,7 @@ precisely the tokens the policy sampled.
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -60,6 +60,39 @@ def check_prompt(input_ids: Sequence[int], max_model_len: int) -> None:
         raise InvalidArgumentError(
             f"prompt of {len(input_ids)} tokens leaves no room under max_model_len={max_model_len}"
         )
+
+
+@runtime_checkable
+class ServerHeldWeights(Protocol):
+    """An engine whose weights live in a server of its own (SGLang): the server joins the
+    trainer's weight-sync group with its own ranks and receives updates there, tensor by
+    tensor (WEIGHT_LAYOUT_PER_TENSOR). Weights an engine holds in the service's process are
+    received by the service (`rollout_svc.weight_sync`) and loaded with `update_weights`."""
+
+    weight_sync_ranks: int  # the ranks the server joins a group with
+
+    async def join_weight_sync(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        rank_offset: int,
+        backend: str,
+        group_name: str,
+        timeout_seconds: float,
+    ) -> None:
+        """Has the server join the group with ranks `rank_offset` onwards, leaving the group it
+        was in; returns once every rank joined."""
+
+    async def receive_weights(
+        self,
+        group_name: str,
+        metas: Sequence[TensorMeta],
+        bucket_size_bytes: int,
+        policy_version: int,
+    ) -> None:
+        """Has the server receive one update broadcast tensor by tensor on the group (engine
+        paused by the caller) and take `policy_version`."""
 
 
 class Engine(Protocol):

@@ -14,10 +14,14 @@ step. Request and reply shapes are `sglang_api`'s.
   "in_place" mode would keep KV computed by the old weights, and SGLang asserts an idle cache
   when it flushes after a weight update, so it is not offered. (Servers older than the mode
   field abort the running requests instead.)
-- Weights arrive over a torch.distributed group that the trainer broadcasts on:
-  `init_weight_sync` joins it once, `update_weights_from_distributed` receives one bucket.
-  Each bucket names the new `policy_version` as SGLang's `weight_version`; servers that report
-  per-token `weight_versions` spans let a generation that spans a push carry both versions.
+- Weights: the server, which holds them, joins the trainer's weight-sync group itself
+  (`join_weight_sync`: SGLang's `init_weights_update_group`, with its tensor-parallel ranks),
+  and receives each update tensor by tensor (`receive_weights`: one
+  `update_weights_from_distributed` call per bucket); the rollout service's process stays out
+  of the group. Names and shapes are checked against the model's checkpoint first. Each update
+  names its `policy_version` as SGLang's `weight_version`; servers that report per-token
+  `weight_versions` spans let a generation that spans a push carry both versions. Without a
+  group (PushWeights), an update goes as a safetensors folder (`update_weights_from_disk`).
 - Failures name the server URL and map onto turnrl errors: unreachable or HTTP 5xx/429 ->
   UnavailableError, too slow -> DeadlineExceededError, other HTTP errors -> InvalidArgumentError
   (FailedPreconditionError where the server refuses for its state); an answer of the wrong
@@ -27,7 +31,9 @@ step. Request and reply shapes are `sglang_api`'s.
 
 import asyncio
 import logging
+import tempfile
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Self
 
 import httpx
@@ -39,6 +45,7 @@ from rollout_svc.engines.base import FinishReason, GenerateOutput, SamplingParam
 from rollout_svc.engines.sglang_api import (
     GenerateReply,
     ModelInfo,
+    ServerInfo,
     WeightSyncReply,
     dtype_name,
     error_detail,
@@ -53,6 +60,11 @@ from rollout_svc.engines.sglang_server import (
     start_server,
     stop_process_group,
 )
+from rollout_svc.engines.sglang_weights import (
+    check_against_checkpoint,
+    checkpoint_shapes,
+    write_update,
+)
 from turnrl.config import StrictModel
 from turnrl.errors import (
     DeadlineExceededError,
@@ -61,19 +73,12 @@ from turnrl.errors import (
     TurnrlError,
     UnavailableError,
 )
-from turnrl.weights import BucketedWeights, TensorMeta
+from turnrl.weights import BucketedWeights, TensorMeta, bucket_indices
 
 log = logging.getLogger(__name__)
 
-DEFAULT_GROUP_NAME = "weight_update_group"
 RETRY_BASE_SECONDS = 0.1
 RETRY_MAX_SECONDS = 2.0
-UPDATE_WEIGHTS_UNSUPPORTED = (
-    "the SGLang engine receives weights over the distributed group: call "
-    "init_weight_sync() once, then update_weights_from_distributed() per bucket while "
-    "the trainer broadcasts (SGLang's /update_weights_from_tensor takes CUDA IPC "
-    "handles, which only a process on the same GPUs can make)"
-)
 
 
 class SglangEngineOptions(StrictModel):
@@ -130,6 +135,7 @@ class SglangEngine:
     def __init__(
         self,
         options: SglangEngineOptions,
+        model_path: str,
         max_model_len: int,
         url: str,
         process: asyncio.subprocess.Process | None = None,
@@ -137,8 +143,14 @@ class SglangEngine:
         """Use `create()`, which also starts the server and checks it."""
         self.url = url.rstrip("/")
         self._options = options
+        self._model_path = model_path
         self._max_model_len = max_model_len
         self._process = process
+        self.weight_sync_ranks = 1  # the server's tensor-parallel size, from create()
+        self._data_parallel_size = 1
+        self._weight_group = ""  # the weight-sync group the server is in
+        # The checkpoint's parameter shapes, read on the first update (None: not local).
+        self._checkpoint_shapes: dict[str, tuple[int, ...]] | None = None
         limits = httpx.Limits(
             max_connections=options.max_concurrent_requests,
             max_keepalive_connections=options.max_concurrent_requests,
@@ -165,10 +177,10 @@ class SglangEngine:
         """
         if options.launch is None:
             assert options.url is not None  # the options validator ensures one of the two
-            engine = cls(options, max_model_len, options.url)
+            engine = cls(options, model_path, max_model_len, options.url)
         else:
             process, url = await start_server(options.launch, model_path)
-            engine = cls(options, max_model_len, url, process)
+            engine = cls(options, model_path, max_model_len, url, process)
         try:
             await engine._wait_until_healthy()
             reply = await engine._call("GET", "/get_model_info", idempotent=True)
@@ -179,6 +191,10 @@ class SglangEngine:
                     "a generation model"
                 )
             engine._policy_version = version_number(info.weight_version)
+            reply = await engine._call("GET", "/get_server_info", idempotent=True)
+            server = parse_reply(reply, ServerInfo, engine.url)
+            engine.weight_sync_ranks = server.tp_size
+            engine._data_parallel_size = server.dp_size
         except BaseException:
             await engine.close()
             raise
@@ -259,21 +275,31 @@ class SglangEngine:
             "POST", "/flush_cache", idempotent=True, rejected_error=FailedPreconditionError
         )
 
-    async def init_weight_sync(
+    async def join_weight_sync(
         self,
         master_address: str,
         master_port: int,
-        rank_offset: int,
         world_size: int,
-        group_name: str = DEFAULT_GROUP_NAME,
-        backend: str = "nccl",
+        rank_offset: int,
+        backend: str,
+        group_name: str,
+        timeout_seconds: float,
     ) -> None:
-        """Joins the trainer's weight-broadcast group; the server's ranks take `rank_offset`
-        onwards. Returns once every rank joined, so the trainer must join at the same time.
+        """Has the server join the trainer's weight-sync group (`init_weights_update_group`),
+        its tensor-parallel ranks from `rank_offset` on, leaving the group it was in; returns
+        once every rank joined, so the trainer must join at the same time.
 
-        Raises FailedPreconditionError when the server cannot join (wrong address, a group of
-        that name exists) and DeadlineExceededError after `weight_sync_timeout_seconds`.
+        Raises FailedPreconditionError when the server cannot join (wrong address, a server of
+        several data-parallel replicas, whose ranks would collide) and DeadlineExceededError
+        after `timeout_seconds`.
         """
+        if self._data_parallel_size > 1:
+            raise FailedPreconditionError(
+                f"SGLang server at {self.url!r} runs dp_size={self._data_parallel_size}: each "
+                "data-parallel replica would join the weight-sync group with the same ranks; "
+                "serve one replica per server (rollout.replicas) instead"
+            )
+        await self._leave_weight_group()
         body = {
             "master_address": master_address,
             "master_port": master_port,
@@ -282,7 +308,42 @@ class SglangEngine:
             "group_name": group_name,
             "backend": backend,
         }
-        await self._weight_sync_call("/init_weights_update_group", body)
+        await self._weight_sync_call("/init_weights_update_group", body, timeout_seconds)
+        self._weight_group = group_name
+
+    async def receive_weights(
+        self,
+        group_name: str,
+        metas: Sequence[TensorMeta],
+        bucket_size_bytes: int,
+        policy_version: int,
+    ) -> None:
+        """Has the server receive an update that the trainer broadcasts on the group tensor by
+        tensor (WEIGHT_LAYOUT_PER_TENSOR), one `update_weights_from_distributed` call per
+        bucket of `bucket_size_bytes` (the cache flushed after the last), and takes
+        `policy_version` with the last. The engine must be paused.
+
+        Raises InvalidArgumentError, before the server receives anything, for a tensor its
+        model's checkpoint lacks or has in another shape (`check_weights`);
+        FailedPreconditionError when not paused, not in `group_name`, or the server fails.
+        """
+        self.check_weights(metas)
+        if group_name != self._weight_group:
+            raise FailedPreconditionError(
+                f"the SGLang server is not in weight-sync group {group_name!r}; call "
+                "InitWeightSync first"
+            )
+        buckets = bucket_indices(metas, bucket_size_bytes)
+        for index, bucket in enumerate(buckets):
+            last = index == len(buckets) - 1
+            await self.update_weights_from_distributed(
+                [metas[i].name for i in bucket],
+                [metas[i].dtype for i in bucket],
+                [metas[i].shape for i in bucket],
+                policy_version if last else self._policy_version,
+                group_name=group_name,
+                flush_cache=last,
+            )
 
     async def update_weights_from_distributed(
         self,
@@ -291,12 +352,12 @@ class SglangEngine:
         shapes: Sequence[Sequence[int]],
         policy_version: int,
         *,
-        group_name: str = DEFAULT_GROUP_NAME,
+        group_name: str,
         flush_cache: bool = True,
     ) -> None:
-        """Receives one bucket of parameters that the trainer broadcasts on the group, in the
-        order of `names`, and takes `policy_version`. The engine must be paused. Pass
-        `flush_cache=False` for every bucket of a push but the last.
+        """Receives one bucket of parameters that the trainer broadcasts on the group, one
+        broadcast per tensor in the order of `names`, and takes `policy_version`. The engine
+        must be paused. Pass `flush_cache=False` for every bucket of a push but the last.
 
         Raises InvalidArgumentError when the three lists differ in length or a dtype is not a
         torch dtype, FailedPreconditionError when the engine is not paused, the version is
@@ -307,16 +368,7 @@ class SglangEngine:
                 f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, "
                 f"{len(shapes)}"
             )
-        if not self._paused:
-            raise FailedPreconditionError(
-                "pause() the engine before updating its weights: SGLang flushes its cache after "
-                "an update and fails while requests run"
-            )
-        if policy_version < self._policy_version:
-            raise FailedPreconditionError(
-                f"policy_version {policy_version} is older than the loaded version "
-                f"{self._policy_version}"
-            )
+        self._check_update(policy_version)
         body = {
             "names": list(names),
             "dtypes": [dtype_name(dtype) for dtype in dtypes],
@@ -325,24 +377,49 @@ class SglangEngine:
             "flush_cache": flush_cache,
             "weight_version": str(policy_version),
         }
-        await self._weight_sync_call("/update_weights_from_distributed", body)
+        await self._weight_sync_call(
+            "/update_weights_from_distributed", body, self._options.weight_sync_timeout_seconds
+        )
         self._policy_version = policy_version
 
     def check_weights(self, metas: Sequence[TensorMeta]) -> None:
-        """Not supported, as update_weights is not."""
-        raise NotImplementedError(UPDATE_WEIGHTS_UNSUPPORTED)
+        """Raises InvalidArgumentError naming the first tensor that the server's model
+        checkpoint (the rollout config's `model_path`, when it is a local folder) lacks or
+        has in another shape; with no local checkpoint the server's own load checks them."""
+        if self._checkpoint_shapes is None:
+            self._checkpoint_shapes = checkpoint_shapes(self._model_path) or {}
+        if self._checkpoint_shapes:
+            check_against_checkpoint(metas, self._checkpoint_shapes)
 
     async def weight_buffer(
         self, metas: Sequence[TensorMeta], bucket_size_bytes: int
     ) -> BucketedWeights | None:
-        """Not supported, as update_weights is not."""
-        raise NotImplementedError(UPDATE_WEIGHTS_UNSUPPORTED)
+        """None: the server holds the weights, not this process."""
+        return None
 
     async def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], policy_version: int
     ) -> None:
-        """Not supported: see the NotImplementedError message."""
-        raise NotImplementedError(UPDATE_WEIGHTS_UNSUPPORTED)
+        """Loads weights sent over gRPC (PushWeights, when no weight-sync group formed): they
+        are written as a safetensors folder that the server loads (`update_weights_from_disk`),
+        so the server must share this machine's disk, as a launched one does. The engine must
+        be paused. Raises InvalidArgumentError, before the server sees them, for a tensor its
+        checkpoint lacks or has in another shape, and FailedPreconditionError when the server
+        fails to load them."""
+        self._check_update(policy_version)
+        named_tensors = list(named_tensors)
+        self.check_weights([TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in named_tensors])
+        with tempfile.TemporaryDirectory(prefix="turnrl-weights-") as folder:
+            await asyncio.to_thread(write_update, named_tensors, self._model_path, Path(folder))
+            body = {
+                "model_path": folder,
+                "flush_cache": True,
+                "weight_version": str(policy_version),
+            }
+            await self._weight_sync_call(
+                "/update_weights_from_disk", body, self._options.weight_sync_timeout_seconds
+            )
+        self._policy_version = policy_version
 
     async def watch(self) -> None:
         """Waits while the server this engine launched runs; raises UnavailableError once its
@@ -464,14 +541,38 @@ class SglangEngine:
             )
         return response
 
-    async def _weight_sync_call(self, path: str, body: dict) -> None:
+    def _check_update(self, policy_version: int) -> None:
+        if not self._paused:
+            raise FailedPreconditionError(
+                "pause() the engine before updating its weights: SGLang flushes its cache after "
+                "an update and fails while requests run"
+            )
+        if policy_version < self._policy_version:
+            raise FailedPreconditionError(
+                f"policy_version {policy_version} is older than the loaded version "
+                f"{self._policy_version}"
+            )
+
+    async def _leave_weight_group(self) -> None:
+        """Has the server leave its weight-sync group, if any, so its name and its
+        communicators are free; a server without `/destroy_weights_update_group` keeps it."""
+        if not self._weight_group:
+            return
+        try:
+            await self._weight_sync_call(
+                "/destroy_weights_update_group",
+                {"group_name": self._weight_group},
+                self._options.control_timeout_seconds,
+            )
+        except TurnrlError as e:
+            log.warning("the SGLang server kept weight-sync group %r: %s", self._weight_group, e)
+        self._weight_group = ""
+
+    async def _weight_sync_call(self, path: str, body: dict, timeout_seconds: float) -> None:
         response = await self._call(
-            "POST",
-            path,
-            body,
-            timeout_seconds=self._options.weight_sync_timeout_seconds,
+            "POST", path, body, timeout_seconds=timeout_seconds,
             rejected_error=FailedPreconditionError,
-        )
+        )  # fmt: skip
         reply = parse_reply(response, WeightSyncReply, self.url)
         if not reply.success:
             raise FailedPreconditionError(

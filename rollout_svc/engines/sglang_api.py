@@ -51,6 +51,13 @@ class ModelInfo(BaseModel):
     weight_version: str | None = None
 
 
+class ServerInfo(BaseModel):
+    """The parts of `/get_server_info` (the server's arguments) the engine reads."""
+
+    tp_size: int = 1
+    dp_size: int = 1
+
+
 class WeightSyncReply(BaseModel):
     success: bool
     message: str = ""

@@ -1,6 +1,6 @@
 """examples/gsm8k_tool: the converter on the real GSM8K fixture, its rows through the trainer's
-loader, the reward service's gsm8k scorer and the gsm8k_answer tool, and the GPU config checked
-without a GPU."""
+loader, the reward service's gsm8k scorer and the gsm8k_answer tool, the GPU config checked
+without a GPU, and the recipe run for two steps against a stand-in SGLang server."""
 
 import contextlib
 import importlib.util
@@ -15,6 +15,8 @@ from transformers import AutoTokenizer
 from reward_svc.scorers import SCORERS, gsm8k
 from reward_svc.scorers.base import ScoringRequest
 from rollout_svc.engines.sglang import SglangEngineOptions
+from tests.conftest import run_turnrl
+from tests.rollout_svc.sglang_stand_in import stand_in_command
 from tool_svc.config import ToolConfig
 from tool_svc.service import ToolService
 from trainer_svc.data import PromptRecord, load_datasets
@@ -171,3 +173,56 @@ async def test_longest_prompts_fit_verls_prompt_budget(fixtures, config, records
         prompt_ids = ConversationTokens(tokenizer, template, tools).prompt_ids(record.messages)
         assert len(prompt_ids) <= budget, record.prompt_id
         assert '"name": "gsm8k_answer"' in tokenizer.decode(prompt_ids), "tools not rendered"
+
+
+async def test_the_recipe_runs_two_steps_on_a_stand_in_sglang_server(
+    fixtures, tiny_model_dir, tmp_path
+):
+    """The recipe as written (SGLang launched by the rollout service, the weights broadcast
+    to the server), scaled down to the tiny model on CPU: the launched server is the SGLang
+    stand-in serving the model, gloo stands for NCCL. The rollouts of step 2 come from the
+    weights step 1 pushed into the server, so the trainer's logprobs match them."""
+    data_dir = tmp_path / "data"
+    argv = ["--gsm8k-dir", str(fixtures / "gsm8k"), "--output-dir", str(data_dir)]
+    assert prepare_data.main(argv) == 0
+    config = {
+        "base": str(EXAMPLE / "config.yaml"),
+        "tool": {"server": {"port": 0}},
+        "reward": {"server": {"port": 0}, "workers": 1},
+        "rollout": {
+            "server": {"port": 0},
+            "model_path": str(tiny_model_dir),
+            "engine_options": {
+                "launch": {"port": 0, "extra_args": [], "command": list(stand_in_command())},
+                "startup_timeout_seconds": 120,
+            },
+            "max_new_tokens": 48,
+            "max_response_length": 256,
+            "max_concurrent_trajectories": 16,
+        },
+        "trainer": {
+            "server": {"port": 0},
+            "model_path": str(tiny_model_dir),
+            "output_dir": str(tmp_path),
+            "steps": 2,
+            "eval_every": 0,
+            "data": {
+                "train_files": [str(data_dir / "train.parquet")],
+                "eval_files": [str(data_dir / "test.parquet")],
+                "max_eval_prompts": 2,
+            },
+            "rollout": {"prompts_per_step": 2, "samples_per_prompt": 2, "max_turns": 3},
+            "optim": {"dtype": "float32", "activation_checkpointing": False},
+            "weight_sync": {"backend": "gloo"},
+            "wandb_mode": "disabled",
+        },
+    }
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(json.dumps(config))  # JSON is YAML
+    code, _, stderr = await run_turnrl("run", "--config", str(config_file), timeout_seconds=600)
+    assert code == 0, stderr[-4000:]
+    lines = (tmp_path / "gsm8k_tool" / "metrics.jsonl").read_text().splitlines()
+    steps = [record for record in map(json.loads, lines) if "train/loss" in record]
+    assert [record["step"] for record in steps] == [1, 2]
+    assert all(record["push/broadcast"] == 1.0 for record in steps)
+    assert steps[1]["mismatch/mean_abs_diff"] < 1e-3, steps[1]

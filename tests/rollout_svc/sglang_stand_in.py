@@ -2,9 +2,11 @@
 
 SGLang needs a GPU, so `SglangStandIn` implements the request and response shapes of SGLang's
 native HTTP API (`python/sglang/srt/entrypoints/http_server.py`, `managers/io_struct.py`) on
-loopback: a counter model decodes one token per step, answers [logprob, token_id, text]
+loopback: a counter model decodes one token per step (or, given a local model folder, a real
+model samples: turnrl's hf engine behind SGLang's API), answers [logprob, token_id, text]
 triples and finish reasons, honours max_new_tokens and stop_token_ids, aborts by rid, pauses
-and continues, takes weight-group calls, and records every request so tests check the bodies
+and continues, joins real weight-sync groups and receives the tensors broadcast on them (or
+written to disk) as SGLang does, and records every request so tests check the bodies
 the adapter sent. Run as a script, this module serves the stand-in on the --host and --port
 it is given, which is how the launch tests stand in for `python -m sglang.launch_server`.
 """
@@ -12,19 +14,33 @@ it is given, which is how the launch tests stand in for `python -m sglang.launch
 import argparse
 import asyncio
 import contextlib
+import datetime
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import uvicorn
+from safetensors.torch import load_file
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
+from torch.distributed.distributed_c10d import (
+    Backend,
+    PrefixStore,
+    _new_process_group_helper,
+    _world,
+    rendezvous,
+)
 
+from rollout_svc.engines.base import FinishReason, SamplingParams
+from rollout_svc.engines.hf import HfEngine, HfEngineOptions
 from turnrl.config import REPO_ROOT
+from turnrl.errors import InvalidArgumentError
 
 VOCAB_SIZE = 1000
 
@@ -72,8 +88,16 @@ class RunningRequest:
 class SglangStandIn:
     """SGLang's native HTTP API shapes on a deterministic counter model (module docstring)."""
 
-    def __init__(self, model_path: str = MODEL_PATH, argv: list[str] | None = None):
+    def __init__(
+        self,
+        model_path: str = MODEL_PATH,
+        argv: list[str] | None = None,
+        model: HfEngine | None = None,
+    ):
+        """With `model` (an hf engine of `model_path`), /generate samples from a real model,
+        whose weights the weight updates replace; without, from the counter model."""
         self.model_path = model_path
+        self.model = model
         self.argv = argv or []
         self.url = ""
         self.requests: list[tuple[str, str, Any]] = []  # (method, path, JSON body)
@@ -82,7 +106,11 @@ class SglangStandIn:
         self.hold_at_tokens: int | None = None  # requests wait there until release()
         self.pause_mode: str | None = None
         self.weight_version = "default"
-        self.groups: set[str] = set()
+        # Weight-sync groups joined as SGLang joins them (`join_as_sglang`), by name, and the
+        # tensors received over them or from disk, by name.
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        self.weights: dict[str, torch.Tensor] = {}
+        self.data_parallel_size = 1
         self.report_version_spans = True
         self.is_generation = True
         self.unhealthy_checks_left = 0
@@ -98,6 +126,8 @@ class SglangStandIn:
             "/flush_cache": self._flush_cache,
             "/init_weights_update_group": self._init_weights_update_group,
             "/update_weights_from_distributed": self._update_weights_from_distributed,
+            "/destroy_weights_update_group": self._destroy_weights_update_group,
+            "/update_weights_from_disk": self._update_weights_from_disk,
             "/health_generate": self._health,
             "/get_model_info": self._model_info,
             "/get_server_info": self._server_info,
@@ -128,6 +158,12 @@ class SglangStandIn:
             self.hold_at_tokens = None
             self._changed.notify_all()
 
+    def leave_groups(self) -> None:
+        """Destroys the weight-sync groups joined, whose names are the test process's."""
+        for group in self.groups.values():
+            dist.destroy_process_group(group)
+        self.groups.clear()
+
     async def abort_everything(self) -> None:
         async with self._changed:
             for request in self.running.values():
@@ -147,6 +183,8 @@ class SglangStandIn:
         return endpoint
 
     async def _generate(self, body: dict) -> Response:
+        if self.model is not None:
+            return await self._generate_with_model(body)
         problem = self._generate_problem(body)
         if problem:  # SGLang's _create_error_response
             return JSONResponse({"error": {"message": problem}}, status_code=400)
@@ -180,6 +218,45 @@ class SglangStandIn:
         return JSONResponse(
             {"text": text, "output_ids": request.output_ids, "meta_info": meta_info}
         )
+
+    async def _generate_with_model(self, body: dict) -> Response:
+        """/generate's reply from the real model: its ids and raw logprobs, the versions of
+        the weights that sampled each token."""
+        params = body["sampling_params"]
+        if unknown := set(params) - SGLANG_SAMPLING_KEYS:
+            message = f"SamplingParams got an unexpected keyword argument {sorted(unknown)[0]!r}"
+            return JSONResponse({"error": {"message": message}}, status_code=400)
+        sampling = SamplingParams(
+            max_new_tokens=params.get("max_new_tokens", 128),
+            temperature=params.get("temperature", 1.0),
+            top_p=params.get("top_p", 1.0),
+            top_k=max(params.get("top_k", -1), 0),
+            min_p=params.get("min_p", 0.0),
+            repetition_penalty=params.get("repetition_penalty", 1.0),
+            stop_token_ids=tuple(params.get("stop_token_ids") or ()),
+            seed=params.get("sampling_seed"),
+        )
+        try:
+            out = await self.model.generate(body["input_ids"], sampling, body["rid"])
+        except InvalidArgumentError as e:
+            return JSONResponse({"error": {"message": str(e)}}, status_code=400)
+        finish_reason = {"type": out.finish_reason.value}
+        if out.finish_reason is FinishReason.STOP:
+            finish_reason["matched"] = out.output_ids[-1]
+        meta_info = {
+            "id": body["rid"],
+            "finish_reason": finish_reason,
+            "prompt_tokens": len(body["input_ids"]),
+            "completion_tokens": len(out.output_ids),
+            "cached_tokens": int(out.metrics["cached_prompt_tokens"]),
+            "weight_version": self.weight_version,
+            "output_token_logprobs": [
+                [logprob, token, None]
+                for logprob, token in zip(out.logprobs, out.output_ids, strict=True)
+            ],
+            "weight_versions": _spans_of(out.policy_versions),
+        }
+        return JSONResponse({"output_ids": out.output_ids, "meta_info": meta_info})
 
     def _generate_problem(self, body: dict) -> str | None:
         """What SGLang would reject in a generate request (the parts the adapter sends)."""
@@ -222,6 +299,8 @@ class SglangStandIn:
         return self.pause_mode is None and not held
 
     async def _abort_request(self, body: dict) -> Response:
+        if self.model is not None:
+            await self.model.abort(body["rid"])
         async with self._changed:
             if body["rid"] in self.running:
                 self.running[body["rid"]].aborted = True
@@ -239,9 +318,13 @@ class SglangStandIn:
             else:
                 self.pause_mode = mode
             self._changed.notify_all()
+        if self.model is not None:
+            await self.model.pause()
         return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
     async def _continue_generation(self, body: dict | None) -> Response:
+        if self.model is not None:
+            await self.model.resume()
         async with self._changed:
             self.pause_mode = None
             self._changed.notify_all()
@@ -261,21 +344,55 @@ class SglangStandIn:
         group_name = body.get("group_name", "weight_update_group")
         if group_name in self.groups:
             return _weight_sync_failure(f"Process group {group_name!r} already exists.")
-        self.groups.add(group_name)
+        try:
+            self.groups[group_name] = await asyncio.to_thread(join_as_sglang, body, group_name)
+        except Exception as e:  # SGLang answers the failure, it does not raise
+            return _weight_sync_failure(f"Failed to initialize custom process group: {e}.")
         return JSONResponse({"success": True, "message": "Succeeded to initialize group."})
+
+    async def _destroy_weights_update_group(self, body: dict) -> Response:
+        group = self.groups.pop(body.get("group_name", "weight_update_group"), None)
+        if group is None:
+            return _weight_sync_failure("The group to be destroyed does not exist.")
+        dist.destroy_process_group(group)
+        return JSONResponse({"success": True, "message": "Succeeded to destroy group."})
 
     async def _update_weights_from_distributed(self, body: dict) -> Response:
         names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
         if not len(names) == len(dtypes) == len(shapes):
             return _weight_sync_failure("names, dtypes and shapes differ in length")
-        if body.get("group_name", "weight_update_group") not in self.groups:
+        group = self.groups.get(body.get("group_name", "weight_update_group"))
+        if group is None:
             return _weight_sync_failure("The weight update group is not initialized.")
         if not all(isinstance(getattr(torch, dtype, None), torch.dtype) for dtype in dtypes):
             return _weight_sync_failure(f"Unknown dtype in {dtypes}")
         if body.get("flush_cache", True) and self._cache_in_use():
             return PlainTextResponse("AssertionError: Cache flush failed", 500)  # SGLang asserts
+        received = await asyncio.to_thread(receive_per_tensor, group, dtypes, shapes)
+        await self._load(dict(zip(names, received, strict=True)), body.get("weight_version"))
+        return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
+
+    async def _update_weights_from_disk(self, body: dict) -> Response:
+        if body.get("flush_cache", True) and self._cache_in_use():
+            return PlainTextResponse("AssertionError: Cache flush failed", 500)
+        loaded = await asyncio.to_thread(load_folder, Path(body["model_path"]))
+        if not loaded:
+            return _weight_sync_failure(f"no safetensors in {body['model_path']}")
+        await self._load(loaded, body.get("weight_version"))
+        return JSONResponse({"success": True, "message": "Succeeded to update model weights."})
+
+    async def _load(self, tensors: dict[str, torch.Tensor], version: str | None) -> None:
+        """Keeps the tensors received, loads them into the real model when there is one, and
+        takes `version`, as SGLang's load_weights and weight_version do."""
+        self.weights.update(tensors)
+        if self.model is not None:
+            number = int(version) if version and version.isdigit() else self.model.policy_version
+            await self.model.update_weights(tensors.items(), number)
+        await self._take_version(version)
+
+    async def _take_version(self, version: str | None) -> None:
         async with self._changed:
-            if (version := body.get("weight_version")) is not None:
+            if version is not None:
                 for request in self.running.values():
                     if request.output_ids:
                         request.version_changes.append(
@@ -283,7 +400,6 @@ class SglangStandIn:
                         )
                 self.weight_version = version
             self._changed.notify_all()
-        return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
 
     async def _health(self, body: None) -> Response:
         if self.unhealthy_checks_left:
@@ -303,7 +419,56 @@ class SglangStandIn:
         )
 
     async def _server_info(self, body: None) -> Response:
-        return JSONResponse({"model_path": self.model_path, "argv": self.argv})
+        return JSONResponse(
+            {
+                "model_path": self.model_path,
+                "argv": self.argv,
+                "tp_size": 1,
+                "dp_size": self.data_parallel_size,
+            }
+        )
+
+
+def load_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in `folder`."""
+    return {
+        name: tensor
+        for file in sorted(folder.glob("*.safetensors"))
+        for name, tensor in load_file(file).items()
+    }
+
+
+def join_as_sglang(body: dict, group_name: str) -> dist.ProcessGroup:
+    """Joins the weight-sync group as SGLang's ModelRunner.init_weights_update_group does (its
+    `init_custom_process_group`, tensor-parallel rank 0): rendezvous at tcp://master, the keys
+    under a PrefixStore named after the group, the group made and registered by torch's helper.
+    Written out here, not taken from turnrl, so a test shows that turnrl's end agrees."""
+    timeout = datetime.timedelta(seconds=WAIT_SECONDS)
+    init_method = f"tcp://{body['master_address']}:{body['master_port']}"
+    store, rank, world_size = next(
+        rendezvous(init_method, body["rank_offset"], body["world_size"], timeout=timeout)
+    )
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(body.get("backend", "nccl")),
+        PrefixStore(group_name, store), group_name=group_name, timeout=timeout,
+    )  # fmt: skip
+    _world.pg_group_ranks[group] = {member: member for member in range(world_size)}
+    return group
+
+
+def receive_per_tensor(
+    group: dist.ProcessGroup, dtypes: list[str], shapes: list[list[int]]
+) -> list[torch.Tensor]:
+    """One broadcast from rank 0 per tensor, as SGLang's update_weights_from_distributed."""
+    tensors = [
+        torch.empty(shape, dtype=getattr(torch, dtype))
+        for dtype, shape in zip(dtypes, shapes, strict=True)
+    ]
+    handles = [dist.broadcast(tensor, src=0, group=group, async_op=True) for tensor in tensors]
+    for handle in handles:
+        handle.wait()
+    return tensors
 
 
 def _weight_sync_failure(message: str) -> Response:
@@ -315,6 +480,17 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while length < min(len(a), len(b)) and a[length] == b[length]:
         length += 1
     return length
+
+
+def _spans_of(versions: list[int]) -> list[dict]:
+    """meta_info["weight_versions"] of tokens sampled by the given versions, one each."""
+    spans: list[dict] = []
+    for index, version in enumerate(versions):
+        if spans and spans[-1]["version"] == str(version):
+            spans[-1]["end"] = index + 1
+        else:
+            spans.append({"version": str(version), "start": index, "end": index + 1})
+    return spans
 
 
 def _version_spans(changes: list[tuple[str, int]], current: str, count: int) -> list[dict]:
@@ -354,8 +530,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--context-length", type=int, default=2048)
     args, _ = parser.parse_known_args(argv)
-    server = SglangStandIn(model_path=args.model_path, argv=argv)
+    model = None
+    if (Path(args.model_path) / "config.json").is_file():  # a real model: serve it
+        options = HfEngineOptions()
+        model = asyncio.run(HfEngine.create(options, args.model_path, args.context_length))
+    server = SglangStandIn(model_path=args.model_path, argv=argv, model=model)
     uvicorn.run(server.app(), host=args.host, port=args.port, lifespan="off", log_level="warning")
 
 

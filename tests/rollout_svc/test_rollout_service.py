@@ -1,5 +1,6 @@
-"""The rollout service end to end: the tiny calculator model on the hf engine, the real tool
-and reward services on loopback, Generate over gRPC."""
+"""The rollout service end to end: the tiny calculator model on the hf engine (and, for the
+agent loop, behind a stand-in SGLang server), the real tool and reward services on loopback,
+Generate over gRPC."""
 
 import asyncio
 import contextlib
@@ -11,10 +12,13 @@ from google.protobuf import json_format
 from transformers import AutoModelForCausalLM
 
 from rollout_svc.config import InteractionEntry, RolloutConfig
+from rollout_svc.engines.hf import HfEngine, HfEngineOptions
 from rollout_svc.server import RolloutServicer
 from rollout_svc.service import RolloutService
 from tests.conftest import serve_in_process
 from tests.in_process_services import reward_service_address, tool_service_address
+from tests.rollout_svc.sglang_stand_in import SglangStandIn, engine_options
+from tests.tool_svc.http_stand_in import serve_app
 from turnrl import rpc
 from turnrl.calculator_data import TOOLS, generate_problems
 from turnrl.config import ClientConfig, ServerConfig
@@ -94,9 +98,31 @@ def teacher_forced_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     return logprobs.gather(1, torch.tensor(token_ids[1:])[:, None])[:, 0]
 
 
-async def test_multi_turn_trajectories_are_token_exact_and_scored(tiny_model_dir):
+@contextlib.asynccontextmanager
+async def engine_settings(engine: str, model_dir) -> AsyncIterator[dict]:
+    """The rollout config's settings for `engine`: for sglang, a stand-in SGLang server that
+    serves the real model in `model_dir` (`sglang_stand_in`, model-backed)."""
+    if engine == "hf":
+        yield {}
+        return
+    model = await HfEngine.create(HfEngineOptions(), str(model_dir), max_model_len=2048)
+    server = SglangStandIn(model_path=str(model_dir), model=model)
+    try:
+        async with serve_app(server.app()) as url:
+            yield {"engine": "sglang", "engine_options": engine_options(url=url)}
+    finally:
+        await model.close()
+
+
+@pytest.mark.parametrize("engine", ["hf", "sglang"])
+async def test_multi_turn_trajectories_are_token_exact_and_scored(tiny_model_dir, engine):
+    """On either engine: SGLang's (a stand-in of its HTTP API serving the same model) goes
+    through the same agent loop, token in and token out."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    async with rollout_stack(tiny_model_dir) as stub:
+    async with (
+        engine_settings(engine, tiny_model_dir) as settings,
+        rollout_stack(tiny_model_dir, **settings) as stub,
+    ):
         request = rollout_pb2.GenerateRequest(
                 prompts=prompts(4), n=2, enable_scoring=True,
                 sampling=common_pb2.SamplingParams(temperature=1.0, seed=7),

@@ -4,29 +4,37 @@ pauses and weight pushes, and how the server's refusals and failures reach the c
 the adapter launches itself, or loses: test_sglang_engine_launch.py."""
 
 import asyncio
+import contextlib
+import functools
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from rollout_svc.engines.base import FinishReason, SamplingParams
 from rollout_svc.engines.sglang import SglangEngine, SglangEngineOptions
+from tests.rollout_svc import weight_sender
 from tests.rollout_svc.sglang_stand_in import (
     MAX_MODEL_LEN,
     MODEL_PATH,
     VOCAB_SIZE,
+    WAIT_SECONDS,
     SglangStandIn,
     continuation,
     engine_options,
     token_logprob,
 )
 from tests.tool_svc.http_stand_in import serve_app
+from turnrl.config import REPO_ROOT
 from turnrl.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     UnavailableError,
 )
+from turnrl.weights import TensorMeta
 
 
 @pytest.fixture
@@ -38,6 +46,7 @@ async def stand_in() -> AsyncIterator[SglangStandIn]:
             yield server
         finally:
             await server.abort_everything()  # uvicorn waits for open requests on shutdown
+            server.leave_groups()
 
 
 @pytest.fixture
@@ -109,7 +118,13 @@ async def test_next_turn_of_a_session_reuses_the_cached_prefix(stand_in, engine)
     assert second.metrics["cached_prompt_tokens"] == 6.0
     assert second.output_ids == continuation(second_input, 2)
     await engine.end_session("s1")  # the radix cache needs no freeing: nothing is sent
-    assert stand_in.paths() == ["/health_generate", "/get_model_info", "/generate", "/generate"]
+    assert stand_in.paths() == [
+        "/health_generate",
+        "/get_model_info",
+        "/get_server_info",
+        "/generate",
+        "/generate",
+    ]
 
 
 async def test_abort_returns_the_tokens_sampled_so_far(stand_in, engine):
@@ -130,6 +145,29 @@ async def test_abort_of_a_request_not_running_sends_nothing(stand_in, engine):
     assert "/abort_request" not in stand_in.paths()
 
 
+@contextlib.asynccontextmanager
+async def weight_group(
+    engine: SglangEngine, specs: list[str], name: str = "g"
+) -> AsyncIterator[dict[str, torch.Tensor]]:
+    """A real gloo weight-sync group that the stand-in server joins, its rank 0 a process
+    (`weight_sender`) that broadcasts the tensors `specs` name once the server receives them;
+    yields those tensors, and checks the sender's exit."""
+    sender = await asyncio.create_subprocess_exec(
+        sys.executable, *weight_sender.command(name, specs),
+        cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        port = int(await sender.stdout.readline())
+        await engine.join_weight_sync("127.0.0.1", port, 2, 1, "gloo", name, WAIT_SECONDS)
+        yield weight_sender.sent_tensors(specs)
+        async with asyncio.timeout(WAIT_SECONDS):
+            assert await sender.wait() == 0
+    finally:
+        if sender.returncode is None:
+            sender.kill()
+            await sender.wait()
+
+
 async def test_pause_holds_a_request_across_a_weight_push(stand_in, engine):
     stand_in.hold_at_tokens = 2
     task = asyncio.create_task(engine.generate([3], SamplingParams(max_new_tokens=5), "r-push"))
@@ -137,11 +175,14 @@ async def test_pause_holds_a_request_across_a_weight_push(stand_in, engine):
 
     await engine.pause()
     await stand_in.release()
-    await engine.init_weight_sync("10.0.0.1", 29500, rank_offset=1, world_size=2)
-    names, shapes = ["model.embed_tokens.weight", "lm_head.weight"], [[1000, 64], [1000, 64]]
-    await engine.update_weights_from_distributed(
-        names, [torch.bfloat16, "bfloat16"], shapes, policy_version=1
-    )
+    specs = [
+        "model.embed_tokens.weight:bfloat16:100x8", "model.norm.weight:float32:8",
+        "lm_head.weight:bfloat16:100x8",
+    ]  # fmt: skip
+    async with weight_group(engine, specs) as sent:
+        metas = [TensorMeta(name, t.dtype, tuple(t.shape)) for name, t in sent.items()]
+        # Buckets of 2 KiB: the embedding and the norm travel together, the head apart.
+        await engine.receive_weights("g", metas, 2048, policy_version=1)
     assert stand_in.decoded("r-push") == 2  # paused: not one step in all that time
     assert engine.policy_version == 1
     await engine.resume()
@@ -150,73 +191,131 @@ async def test_pause_holds_a_request_across_a_weight_push(stand_in, engine):
     assert output.output_ids == continuation([3], 5)
     assert output.policy_versions == [0, 0, 1, 1, 1]
     assert output.finish_reason is FinishReason.LENGTH
+    assert stand_in.weights.keys() == sent.keys()
+    for name, tensor in sent.items():
+        assert torch.equal(stand_in.weights[name], tensor), name
     assert stand_in.bodies("/pause_generation") == [{"mode": "retract"}]
     assert stand_in.bodies("/continue_generation") == [{}]
-    assert stand_in.bodies("/init_weights_update_group") == [
-        {
-            "master_address": "10.0.0.1",
-            "master_port": 29500,
-            "rank_offset": 1,
-            "world_size": 2,
-            "group_name": "weight_update_group",
-            "backend": "nccl",
-        }
-    ]
+    (joined,) = stand_in.bodies("/init_weights_update_group")
+    assert joined == {
+        "master_address": "127.0.0.1", "master_port": joined["master_port"], "rank_offset": 1,
+        "world_size": 2, "group_name": "g", "backend": "gloo",
+    }  # fmt: skip
     assert stand_in.bodies("/update_weights_from_distributed") == [
         {
-            "names": names,
-            "dtypes": ["bfloat16", "bfloat16"],
-            "shapes": shapes,
-            "group_name": "weight_update_group",
+            "names": ["model.embed_tokens.weight", "model.norm.weight"],
+            "dtypes": ["bfloat16", "float32"],
+            "shapes": [[100, 8], [8]],
+            "group_name": "g",
+            "flush_cache": False,
+            "weight_version": "0",
+        },
+        {
+            "names": ["lm_head.weight"],
+            "dtypes": ["bfloat16"],
+            "shapes": [[100, 8]],
+            "group_name": "g",
             "flush_cache": True,
             "weight_version": "1",
-        }
+        },
     ]
+
+
+async def test_joining_a_new_group_leaves_the_last(stand_in, engine):
+    await engine.pause()
+    for name in ("first", "second"):
+        async with weight_group(engine, ["w:float32:2"], name):
+            await engine.update_weights_from_distributed(
+                ["w"], ["float32"], [[2]], 1, group_name=name
+            )
+    assert set(stand_in.groups) == {"second"}
+    assert stand_in.bodies("/destroy_weights_update_group") == [{"group_name": "first"}]
+
+
+async def test_a_server_of_several_data_parallel_replicas_cannot_join(stand_in, engine):
+    stand_in.data_parallel_size = 2
+    engine = await SglangEngine.create(
+        SglangEngineOptions(url=stand_in.url, **engine_options()), MODEL_PATH, MAX_MODEL_LEN
+    )
+    with pytest.raises(FailedPreconditionError, match="dp_size=2"):
+        await engine.join_weight_sync("127.0.0.1", 1, 2, 1, "gloo", "g", WAIT_SECONDS)
+    await engine.close()
+    assert "/init_weights_update_group" not in stand_in.paths()
 
 
 async def test_without_version_spans_every_token_gets_the_reported_version(stand_in, engine):
     stand_in.report_version_spans = False
-    await engine.init_weight_sync("127.0.0.1", 29501, 1, 2, group_name="g")
     await engine.pause()
-    await engine.update_weights_from_distributed(["w"], ["float32"], [[2]], 3, group_name="g")
+    async with weight_group(engine, ["w:float32:2"]):
+        await engine.update_weights_from_distributed(["w"], ["float32"], [[2]], 3, group_name="g")
     await engine.resume()
     output = await engine.generate([2], SamplingParams(max_new_tokens=3), "r-v")
     assert output.policy_versions == [3, 3, 3]
 
 
 async def test_weight_update_is_checked_before_anything_is_sent(stand_in, engine):
+    update = functools.partial(engine.update_weights_from_distributed, group_name="g")
     with pytest.raises(FailedPreconditionError, match="pause"):
-        await engine.update_weights_from_distributed(["w"], ["float32"], [[2]], 1)
+        await update(["w"], ["float32"], [[2]], 1)
     await engine.pause()
     with pytest.raises(InvalidArgumentError, match="differ in length: 2, 1, 1"):
-        await engine.update_weights_from_distributed(["w", "v"], ["float32"], [[2]], 1)
+        await update(["w", "v"], ["float32"], [[2]], 1)
     with pytest.raises(InvalidArgumentError, match="'float33' is not a torch dtype"):
-        await engine.update_weights_from_distributed(["w"], ["float33"], [[2]], 1)
+        await update(["w"], ["float33"], [[2]], 1)
+    with pytest.raises(FailedPreconditionError, match="not in weight-sync group 'g'"):
+        await engine.receive_weights("g", [TensorMeta("w", torch.float32, (2,))], 64, 1)
     assert "/update_weights_from_distributed" not in stand_in.paths()
 
 
 async def test_stale_version_is_refused(stand_in, engine):
-    await engine.init_weight_sync("127.0.0.1", 29502, 1, 2)
     await engine.pause()
-    await engine.update_weights_from_distributed(["w"], ["float32"], [[2]], 4)
+    async with weight_group(engine, ["w:float32:2"]):
+        await engine.update_weights_from_distributed(["w"], ["float32"], [[2]], 4, group_name="g")
     with pytest.raises(
         FailedPreconditionError, match="policy_version 3 is older than the loaded version 4"
     ):
-        await engine.update_weights_from_distributed(["w"], ["float32"], [[2]], 3)
+        await engine.update_weights_from_distributed(["w"], ["float32"], [[2]], 3, group_name="g")
+
+
+async def test_weights_sent_without_a_group_go_by_disk(stand_in, engine):
+    """PushWeights' path: a safetensors folder the server loads, then deleted."""
+    await engine.pause()
+    sent = [("model.norm.weight", torch.randn(8)), ("lm_head.weight", torch.randn(4, 8))]
+    await engine.update_weights(sent, policy_version=2)
+    (body,) = stand_in.bodies("/update_weights_from_disk")
+    assert (body["flush_cache"], body["weight_version"]) == (True, "2")
+    assert not Path(body["model_path"]).exists()  # noqa: ASYNC240
+    for name, tensor in sent:
+        assert torch.equal(stand_in.weights[name], tensor), name
+    assert engine.policy_version == 2
 
 
 async def test_weight_update_without_a_group_reports_the_server_message(stand_in, engine):
     await engine.pause()
     with pytest.raises(FailedPreconditionError) as failure:
-        await engine.update_weights_from_distributed(["w"], ["float32"], [[2]], 1)
+        await engine.update_weights_from_distributed(["w"], ["float32"], [[2]], 1, group_name="g")
     assert stand_in.url in str(failure.value)
     assert "The weight update group is not initialized." in str(failure.value)
     assert engine.policy_version == 0
 
 
-async def test_tensor_updates_are_refused_with_the_distributed_way_named(engine):
-    with pytest.raises(NotImplementedError, match="distributed group"):
-        await engine.update_weights([("w", torch.zeros(2))], 1)
+async def test_an_update_the_checkpoint_does_not_fit_is_refused_before_it_travels(
+    stand_in, tiny_model_dir
+):
+    """With the rollout config's model_path a local folder, names and shapes are checked
+    against its safetensors headers: the server receives nothing of a bad update."""
+    options = SglangEngineOptions(url=stand_in.url, **engine_options())
+    engine = await SglangEngine.create(options, str(tiny_model_dir), MAX_MODEL_LEN)
+    await engine.pause()
+    norm = TensorMeta("model.norm.weight", torch.float32, (3,))
+    with pytest.raises(InvalidArgumentError, match=r"'model.norm.weight' has shape \[3\]"):
+        engine.check_weights([norm])
+    with pytest.raises(InvalidArgumentError, match=r"'model\.nope' is not a parameter"):
+        engine.check_weights([TensorMeta("model.nope", torch.float32, (3,))])
+    with pytest.raises(InvalidArgumentError, match="has shape"):
+        await engine.receive_weights("g", [norm], 64, 1)
+    await engine.close()
+    assert "/update_weights_from_distributed" not in stand_in.paths()
 
 
 async def test_flush_cache_while_requests_run_is_a_failed_precondition(stand_in, engine):
@@ -303,7 +402,7 @@ async def test_start_waits_for_health_and_reads_the_weight_version(stand_in):
         SglangEngineOptions(url=stand_in.url, **engine_options()), MODEL_PATH, MAX_MODEL_LEN
     )
     await engine.close()
-    assert stand_in.paths() == ["/health_generate"] * 3 + ["/get_model_info"]
+    assert stand_in.paths() == ["/health_generate"] * 3 + ["/get_model_info", "/get_server_info"]
     assert engine.policy_version == 7
 
 

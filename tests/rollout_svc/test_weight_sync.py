@@ -1,16 +1,18 @@
 """Weight updates: bucket layout, a real gloo broadcast from a trainer-side rank 0 in another
-thread, and the chunked fallback."""
+process (`weight_sender`), in either layout, and the chunked fallback."""
 
 import asyncio
-import datetime
+import contextlib
 import socket
-import threading
+import sys
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from rollout_svc.weight_sync import ChunkAssembler, WeightReceiver
+from tests.rollout_svc import weight_sender
+from turnrl.config import REPO_ROOT
 from turnrl.errors import FailedPreconditionError, InvalidArgumentError
 from turnrl.weights import ALIGNMENT_BYTES, BucketedWeights, TensorMeta
 
@@ -71,38 +73,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def trainer_rank_zero(port: int, updates: list[dict[str, torch.Tensor]], bucket_size: int) -> None:
-    """What the trainer's rank 0 does: host the store, broadcast each update's buckets."""
-    timeout = datetime.timedelta(seconds=30)
-    store = dist.TCPStore("127.0.0.1", port, 2, True, timeout)
-    group = dist.ProcessGroupGloo(store, 0, 2, timeout)
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    for tensors in updates:
-        weights = BucketedWeights.pack(tensors.items(), bucket_size)
-        for index in range(len(weights.buckets)):
-            group.broadcast([weights.bucket(index)], options).wait()
+# state_dict()'s shapes and dtypes, as weight_sender specs.
+SPECS = [
+    "embed.weight:float32:50x16", "layers.0.norm.weight:bfloat16:16",
+    "layers.0.mlp.weight:float16:32x16", "scalar:float32:",
+]  # fmt: skip
 
 
+@contextlib.asynccontextmanager
 async def joined(
-    updates: list[dict[str, torch.Tensor]], bucket_size: int
-) -> tuple[WeightReceiver, threading.Thread]:
-    """A receiver in a group with a trainer's rank 0 that broadcasts `updates` (a thread)."""
-    port = free_port()
-    trainer = threading.Thread(target=trainer_rank_zero, args=(port, updates, bucket_size))
-    trainer.start()
+    bucket_size: int, layout: str = "aligned_buckets", updates: int = 1
+) -> AsyncIterator[WeightReceiver]:
+    """A receiver in a group with a trainer's rank 0 (a `weight_sender` process) that
+    broadcasts `updates` updates of SPECS in `layout`; checks the sender's exit."""
+    command = weight_sender.command(
+        "weights", SPECS, layout=layout, bucket_size=bucket_size, updates=updates
+    )
+    sender = await asyncio.create_subprocess_exec(
+        sys.executable, *command, cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE
+    )
     receiver = WeightReceiver()
-    await receiver.join("127.0.0.1", port, 2, 1, "gloo", "weights", timeout_seconds=30)
-    return receiver, trainer
+    try:
+        port = int(await sender.stdout.readline())
+        await receiver.join("127.0.0.1", port, 2, 1, "gloo", "weights", timeout_seconds=30)
+        yield receiver
+        async with asyncio.timeout(30):
+            assert await sender.wait() == 0
+    finally:
+        receiver.leave()
+        if sender.returncode is None:
+            sender.kill()
+            await sender.wait()
 
 
-async def test_receives_a_gloo_broadcast_from_rank_zero():
-    tensors, bucket_size = state_dict(), 2048
-    receiver, trainer = await joined([tensors], bucket_size)
-    buckets = [
-        bucket async for bucket in receiver.receive("weights", metas_of(tensors), bucket_size)
-    ]
-    await asyncio.to_thread(trainer.join)
+@pytest.mark.parametrize("layout", ["aligned_buckets", "per_tensor"])
+async def test_receives_a_gloo_broadcast_from_rank_zero(layout):
+    tensors, bucket_size = weight_sender.sent_tensors(SPECS), 2048
+    async with joined(bucket_size, layout) as receiver:
+        metas = metas_of(tensors)
+        buckets = [bucket async for bucket in receiver.receive("weights", metas, 2048, layout)]
     assert len(buckets) > 1
     received = [named for bucket in buckets for named in bucket]
     assert [name for name, _ in received] == list(tensors)
@@ -112,18 +121,22 @@ async def test_receives_a_gloo_broadcast_from_rank_zero():
 
 async def test_receives_into_a_given_layout():
     # As into an engine's own parameters: the bytes land in that memory, nowhere else.
-    tensors, bucket_size = state_dict(), 2048
-    receiver, trainer = await joined([tensors], bucket_size)
+    tensors, bucket_size = weight_sender.sent_tensors(SPECS), 2048
     place = BucketedWeights(metas_of(tensors), bucket_size)
     place.data.zero_()
-    async for bucket in receiver.receive("weights", metas_of(tensors), bucket_size, into=place):
-        for name, tensor in bucket:
-            assert tensor.data_ptr() == place.tensor(list(tensors).index(name)).data_ptr()
-    await asyncio.to_thread(trainer.join)
+    async with joined(bucket_size) as receiver:
+        metas = metas_of(tensors)
+        async for bucket in receiver.receive(
+            "weights", metas, bucket_size, "aligned_buckets", place
+        ):
+            for name, tensor in bucket:
+                assert tensor.data_ptr() == place.tensor(list(tensors).index(name)).data_ptr()
+        with pytest.raises(ValueError, match="laid out for another update"):
+            await anext(
+                receiver.receive("weights", metas, bucket_size // 2, "aligned_buckets", place)
+            )
     for (_, got), expected in zip(place.named_tensors(), tensors.values(), strict=True):
         assert torch.equal(got, expected)
-    with pytest.raises(ValueError, match="laid out for another update"):
-        await anext(receiver.receive("weights", metas_of(tensors), bucket_size // 2, into=place))
 
 
 @pytest.mark.parametrize(
@@ -136,24 +149,26 @@ async def test_bad_group_settings_are_invalid(backend, rank, message):
 
 
 async def test_receive_without_a_group_is_a_failed_precondition():
+    receiving = WeightReceiver().receive("weights", metas_of(state_dict()), 1024, "per_tensor")
     with pytest.raises(FailedPreconditionError, match="no weight-sync group 'weights'"):
-        await anext(WeightReceiver().receive("weights", metas_of(state_dict()), 1024))
+        await anext(receiving)
 
 
 async def test_a_receiver_that_stops_early_still_receives_the_whole_update():
     # The rest of a stopped update is received and dropped, so the next one lines up.
-    first, second = state_dict(), {name: t + 1 for name, t in state_dict().items()}
+    first, second = (weight_sender.sent_tensors(SPECS, update) for update in (0, 1))
     bucket_size = 2048
-    receiver, trainer = await joined([first, second], bucket_size)
-    stopped = receiver.receive("weights", metas_of(first), bucket_size)
-    await anext(stopped)
-    await stopped.aclose()  # as a load that fails on the first bucket does
-    received = [
-        named
-        async for bucket in receiver.receive("weights", metas_of(second), bucket_size)
-        for named in bucket
-    ]
-    await asyncio.wait_for(asyncio.to_thread(trainer.join), timeout=30)
+    async with joined(bucket_size, updates=2) as receiver:
+        stopped = receiver.receive("weights", metas_of(first), bucket_size, "aligned_buckets")
+        await anext(stopped)
+        await stopped.aclose()  # as a load that fails on the first bucket does
+        received = [
+            named
+            async for bucket in receiver.receive(
+                "weights", metas_of(second), bucket_size, "aligned_buckets"
+            )
+            for named in bucket
+        ]
     for (_, got), expected in zip(received, second.values(), strict=True):
         assert torch.equal(got, expected)
 

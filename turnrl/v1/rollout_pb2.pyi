@@ -26,6 +26,38 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _WeightLayout:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _WeightLayoutEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WeightLayout.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    WEIGHT_LAYOUT_UNSPECIFIED: _WeightLayout.ValueType  # 0
+    """Not set: read as WEIGHT_LAYOUT_ALIGNED_BUCKETS."""
+    WEIGHT_LAYOUT_ALIGNED_BUCKETS: _WeightLayout.ValueType  # 1
+    """One broadcast per bucket of at most `bucket_size_bytes`, each tensor at a 64-byte-aligned
+    offset in it (turnrl's own, `turnrl/weights.py`): the fewest broadcasts.
+    """
+    WEIGHT_LAYOUT_PER_TENSOR: _WeightLayout.ValueType  # 2
+    """One broadcast per tensor, in spec order: what SGLang's update_weights_from_distributed
+    receives.
+    """
+
+class WeightLayout(_WeightLayout, metaclass=_WeightLayoutEnumTypeWrapper):
+    """How the tensors of an update travel on a weight-sync group."""
+
+WEIGHT_LAYOUT_UNSPECIFIED: WeightLayout.ValueType  # 0
+"""Not set: read as WEIGHT_LAYOUT_ALIGNED_BUCKETS."""
+WEIGHT_LAYOUT_ALIGNED_BUCKETS: WeightLayout.ValueType  # 1
+"""One broadcast per bucket of at most `bucket_size_bytes`, each tensor at a 64-byte-aligned
+offset in it (turnrl's own, `turnrl/weights.py`): the fewest broadcasts.
+"""
+WEIGHT_LAYOUT_PER_TENSOR: WeightLayout.ValueType  # 2
+"""One broadcast per tensor, in spec order: what SGLang's update_weights_from_distributed
+receives.
+"""
+Global___WeightLayout: _TypeAlias = WeightLayout  # noqa: Y015
+
 @_typing.final
 class RolloutPrompt(_message.Message):
     """One prompt of a Generate call, in verl's dataset shape."""
@@ -446,16 +478,22 @@ class InitWeightSyncResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RANKS_JOINED_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
     ranks_joined: _builtins.int
     """Ranks this replica joined the group with."""
+    layout: Global___WeightLayout.ValueType
+    """The layout this replica's engine receives; a group with one PER_TENSOR member sends
+    every update PER_TENSOR.
+    """
     def __init__(
         self,
         *,
         ranks_joined: _builtins.int = ...,
+        layout: Global___WeightLayout.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ranks_joined", b"ranks_joined"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "ranks_joined", b"ranks_joined"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -471,12 +509,15 @@ class UpdateWeightsRequest(_message.Message):
     TENSORS_FIELD_NUMBER: _builtins.int
     BUCKET_SIZE_BYTES_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
     group_name: _builtins.str
     """Group set up by InitWeightSync."""
     bucket_size_bytes: _builtins.int
     """Size of one broadcast bucket in bytes; tensors are packed into buckets in order."""
     policy_version: _builtins.int
     """Version the engine takes after loading; must be newer than its current one."""
+    layout: Global___WeightLayout.ValueType
+    """How the trainer sends them."""
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]:
         """Tensors in the order the trainer broadcasts them."""
@@ -488,10 +529,11 @@ class UpdateWeightsRequest(_message.Message):
         tensors: _abc.Iterable[Global___TensorSpec] | None = ...,
         bucket_size_bytes: _builtins.int = ...,
         policy_version: _builtins.int = ...,
+        layout: Global___WeightLayout.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_size_bytes", b"bucket_size_bytes", "group_name", b"group_name", "policy_version", b"policy_version", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_size_bytes", b"bucket_size_bytes", "group_name", b"group_name", "layout", b"layout", "policy_version", b"policy_version", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -695,6 +737,7 @@ class GetStatsResponse(_message.Message):
     GENERATED_TOKENS_FIELD_NUMBER: _builtins.int
     UPTIME_FIELD_NUMBER: _builtins.int
     METRICS_FIELD_NUMBER: _builtins.int
+    WEIGHT_SYNC_RANKS_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     """Engine name, such as "hf" or "sglang"."""
     policy_version: _builtins.int
@@ -709,13 +752,19 @@ class GetStatsResponse(_message.Message):
     """Trajectories finished since start."""
     generated_tokens: _builtins.int
     """Tokens generated since start."""
+    weight_sync_ranks: _builtins.int
+    """Ranks this replica joins a weight-sync group with (InitWeightSync): 1 for an engine in
+    the service's process, the server's tensor-parallel size for SGLang.
+    """
     @_builtins.property
     def uptime(self) -> _duration_pb2.Duration:
         """Time since the service started."""
 
     @_builtins.property
     def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
-        """Other engine metrics (KV cache use, queue depth), by name."""
+        """Other engine and service metrics by name: KV cache use, queue depth, and the calls the
+        tool and reward services answered UNAVAILABLE (tried again, so ridden out).
+        """
 
     def __init__(
         self,
@@ -729,10 +778,11 @@ class GetStatsResponse(_message.Message):
         generated_tokens: _builtins.int = ...,
         uptime: _duration_pb2.Duration | None = ...,
         metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        weight_sync_ranks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["uptime", b"uptime"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "finished_trajectories", b"finished_trajectories", "generated_tokens", b"generated_tokens", "metrics", b"metrics", "paused", b"paused", "policy_version", b"policy_version", "running_trajectories", b"running_trajectories", "uptime", b"uptime", "waiting_trajectories", b"waiting_trajectories"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "finished_trajectories", b"finished_trajectories", "generated_tokens", b"generated_tokens", "metrics", b"metrics", "paused", b"paused", "policy_version", b"policy_version", "running_trajectories", b"running_trajectories", "uptime", b"uptime", "waiting_trajectories", b"waiting_trajectories", "weight_sync_ranks", b"weight_sync_ranks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,62 @@
+"""What the SGLang engine needs to check and carry weights that the server, not this process,
+holds: the parameter shapes of the server's checkpoint, read from its safetensors headers (no
+tensor is loaded), and an update written as a safetensors folder for SGLang's
+`/update_weights_from_disk` (the PushWeights fallback, when no weight-sync group formed).
+"""
+
+import shutil
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from turnrl.errors import InvalidArgumentError
+from turnrl.weights import TensorMeta
+
+# What a disk update's folder holds besides the weights: SGLang reads the model's config there.
+CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]] | None:
+    """Every tensor of the checkpoint in the folder `model_path`, by name: its shape. None when
+    `model_path` is not a local folder of safetensors (a hub id the server downloads)."""
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        return None
+    shapes = {}
+    for file in files:
+        with safe_open(file, framework="pt") as checkpoint:
+            for name in checkpoint.keys():  # noqa: SIM118 - a safe_open handle is no dict
+                shapes[name] = tuple(checkpoint.get_slice(name).get_shape())
+    return shapes
+
+
+def check_against_checkpoint(
+    metas: Sequence[TensorMeta], shapes: dict[str, tuple[int, ...]]
+) -> None:
+    """Raises InvalidArgumentError naming the first tensor the checkpoint lacks or has in
+    another shape: SGLang would load a wrong update partly and fail, or ignore the name."""
+    for meta in metas:
+        if meta.name not in shapes:
+            raise InvalidArgumentError(
+                f"tensor {meta.name!r} is not a parameter of the server's model checkpoint"
+            )
+        if tuple(meta.shape) != shapes[meta.name]:
+            raise InvalidArgumentError(
+                f"tensor {meta.name!r} has shape {list(meta.shape)}, the server's model "
+                f"{list(shapes[meta.name])}"
+            )
+
+
+def write_update(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], model_path: str, folder: Path
+) -> None:
+    """The update as `folder/model.safetensors`, with the model's config files beside it."""
+    tensors = {name: tensor.contiguous() for name, tensor in named_tensors}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    for name in CONFIG_FILES:
+        source = Path(model_path) / name
+        if source.is_file():
+            shutil.copyfile(source, folder / name)
