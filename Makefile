@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup demo test test-compose lint format protos lock clean
+.PHONY: setup demo test test-compose test-gpu lint format protos lock clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ test: $(STAMP)
 # the image, the four services, a few training steps through them from this host.
 test-compose: $(STAMP)
 	bash tests/compose/compose_stack.sh
+
+# The GPU tests (tests/gpu/): a CUDA device and SGLang (pip install '.[sglang]') needed.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -m gpu tests/gpu
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

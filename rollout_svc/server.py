@@ -146,7 +146,7 @@ async def serve(config: RolloutConfig) -> None:
             lambda server: rollout_pb2_grpc.add_RolloutServiceServicer_to_server(
                 RolloutServicer(service), server
             ),
-            watch=service.watch_engine(),
+            watch=service.watch_engine,
         )
     finally:
         await service.close()

@@ -147,9 +147,9 @@ async def serve(
     add_servicer: Callable[[grpc.aio.Server], None],
     *,
     metrics: CollectorRegistry | None = None,
-    watch: Awaitable[None] | None = None,
+    watch: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Serves one service until SIGTERM or SIGINT, then shuts down gracefully. When `watch`
+    """Serves one service until SIGTERM or SIGINT, then shuts down gracefully. When `watch()`
     (the rollout engine's) raises, the service can no longer serve: it shuts down the same way
     and the error is raised, so the process exits failed and its supervisor restarts it.
 
@@ -175,7 +175,7 @@ async def serve(
     log.info("%s: %s, %s, grace %.1fs", service.name, security, auth, config.shutdown_grace_seconds)
     print(f"serving {service.name} on {config.host}:{running.port}", flush=True)
     stopped = asyncio.ensure_future(stop.wait())
-    watched = asyncio.ensure_future(watch if watch is not None else asyncio.Event().wait())
+    watched = asyncio.ensure_future(watch() if watch is not None else asyncio.Event().wait())
     try:
         await asyncio.wait([stopped, watched], return_when=asyncio.FIRST_COMPLETED)
         if watched.done():

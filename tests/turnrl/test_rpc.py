@@ -417,7 +417,7 @@ async def test_a_failed_watch_stops_the_server_and_is_raised(capsys):
             lambda server: tool_pb2_grpc.add_ToolServiceServicer_to_server(
                 ProbeToolServicer(), server
             ),
-            watch=engine_watch(),
+            watch=engine_watch,
         )
     )
     printed = ""
