@@ -25,6 +25,9 @@ tokens (EOS is switched off for both).
 
     .venv/bin/python benchmarks/rollout_async_vs_batch.py [--prompts 64] [--draws 5]  # ~1.5 min
 
+With `--engine sglang` (a GPU, SGLang installed) the rollouts run on an SGLang server of the
+same model that the engine launches, and the decode comparison is left out.
+
 The last line printed is one JSON object with the headline figures.
 """
 
@@ -35,6 +38,7 @@ import json
 import logging
 import math
 import random
+import shlex
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -46,8 +50,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout_svc.agent_loop import AgentLoop, PromptSpec, RolloutLimits
 from rollout_svc.config import RolloutConfig
-from rollout_svc.engines.base import GenerateOutput, SamplingParams
+from rollout_svc.engines.base import Engine, GenerateOutput, SamplingParams
 from rollout_svc.engines.hf import HfEngine, HfEngineOptions
+from rollout_svc.engines.sglang import SglangEngine, SglangEngineOptions
+from rollout_svc.engines.sglang_server import DEFAULT_LAUNCH_COMMAND, SglangLaunchOptions
 from rollout_svc.parsers import PARSERS
 from rollout_svc.service import RolloutService
 from rollout_svc.tool_client import ToolClient
@@ -114,7 +120,7 @@ class SlowCalculator(CalculatorTool):
 class ClockedEngine:
     """The engine, keeping the time it was busy: at least one generate() in flight."""
 
-    def __init__(self, engine: HfEngine) -> None:
+    def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._in_flight = 0
         self._busy_since = 0.0
@@ -171,7 +177,7 @@ class BatchLevelEngine(ClockedEngine):
     the batch's tool calls start together and the next turn waits for the slowest of them.
     A trajectory leaves the batch when the agent loop ends its engine session."""
 
-    def __init__(self, engine: HfEngine, trajectories: int) -> None:
+    def __init__(self, engine: Engine, trajectories: int) -> None:
         super().__init__(engine)
         self._lockstep = Lockstep(trajectories)
 
@@ -231,7 +237,7 @@ def calculator_prompts(count: int, draw: int) -> list[PromptSpec]:
 class Rollouts:
     """What both modes share: the engine, tokenizer, tool service, sampling and limits."""
 
-    engine: HfEngine
+    engine: Engine
     tokenizer: Any
     tool_client: ToolClient
     tool_options: SlowCalculatorOptions
@@ -377,15 +383,26 @@ async def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--decode-repeats", type=int, default=5)
     parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument(
+        "--engine",
+        choices=["hf", "sglang"],
+        default="hf",
+        help="sglang: the rollouts on an SGLang server the engine launches (a GPU), with no "
+        "decode comparison",
+    )
+    parser.add_argument(
+        "--sglang-command",
+        default=shlex.join(DEFAULT_LAUNCH_COMMAND),
+        help="the command that starts the SGLang server",
+    )
+    parser.add_argument("--sglang-args", default="--dtype bfloat16 --disable-cuda-graph")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     # The tiny model runs fastest on one thread, which leaves the other core to the event loop.
     torch.set_num_threads(args.torch_threads)
     model_path = str(await asyncio.to_thread(build_tiny_model, settings=MODEL_SETTINGS))
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_path)
-    engine = await HfEngine.create(
-        HfEngineOptions(max_batch_size=args.prompts), model_path, MAX_MODEL_LEN
-    )
+    engine = await start_engine(args, model_path)
     draws = []
     try:
         async with slow_tool_service() as (tool_address, tool_options):
@@ -414,6 +431,9 @@ async def main() -> None:
                 await rollouts.tool_client.close()
     finally:
         await engine.close()
+    if args.engine == "sglang":  # the decode comparison is the hf engine's
+        print_report(args, draws, {})
+        return
     decode_prompts = await asyncio.to_thread(
         lambda: [
             ConversationTokens(tokenizer, None, TOOLS).prompt_ids(prompt.messages)
@@ -424,6 +444,20 @@ async def main() -> None:
         model_path, decode_prompts, tokenizer.pad_token_id, args.decode_tokens, args.decode_repeats
     )
     print_report(args, draws, decode)
+
+
+async def start_engine(args: argparse.Namespace, model_path: str) -> Engine:
+    """The hf engine, batching every trajectory, or an SGLang server of the same model."""
+    if args.engine == "hf":
+        options = HfEngineOptions(max_batch_size=args.prompts)
+        return await HfEngine.create(options, model_path, MAX_MODEL_LEN)
+    launch = SglangLaunchOptions(
+        port=0,
+        command=tuple(shlex.split(args.sglang_command)),
+        extra_args=tuple(shlex.split(args.sglang_args)),
+    )
+    options = SglangEngineOptions(launch=launch, startup_timeout_seconds=900)
+    return await SglangEngine.create(options, model_path, MAX_MODEL_LEN)
 
 
 def print_report(args: argparse.Namespace, draws: list[dict], decode: dict[str, float]) -> None:
@@ -481,11 +515,12 @@ def print_report(args: argparse.Namespace, draws: list[dict], decode: dict[str, 
         f"{figures['efficiency_vs_bound']:.2f}, same tokens in both modes "
         f"{figures['same_tokens_both_modes']}"
     )
-    print(
-        f"decode, {args.decode_prompts} rows x {args.decode_tokens} tokens: hf engine "
-        f"{decode['hf_engine_tokens_per_s']:.0f} tokens/s, model.generate "
-        f"{decode['model_generate_tokens_per_s']:.0f} tokens/s"
-    )
+    if decode:
+        print(
+            f"decode, {args.decode_prompts} rows x {args.decode_tokens} tokens: hf engine "
+            f"{decode['hf_engine_tokens_per_s']:.0f} tokens/s, model.generate "
+            f"{decode['model_generate_tokens_per_s']:.0f} tokens/s"
+        )
     print(json.dumps({name: _rounded(value) for name, value in figures.items()}))
 
 
