@@ -218,7 +218,7 @@ class RolloutService:
                 master_address, master_port, world_size, rank_offset, backend, group_name,
                 timeout_seconds,
             )  # fmt: skip
-            return self._engine.weight_sync_ranks, "per_tensor"
+            return self._engine.weight_sync_ranks, self._engine.weight_layout
         try:
             await self._receiver.join(
                 master_address,
@@ -257,13 +257,9 @@ class RolloutService:
         started = time.monotonic()
         size = sum(meta.nbytes for meta in metas)
         if isinstance(self._engine, ServerHeldWeights):
-            if layout != "per_tensor":
-                raise InvalidArgumentError(
-                    f"the {self._config.engine} server receives per_tensor updates, not {layout}"
-                )
             async with self._paused_engine():
                 await self._engine.receive_weights(
-                    group_name, metas, bucket_size_bytes, policy_version
+                    group_name, metas, bucket_size_bytes, layout, policy_version
                 )
             return self._engine.policy_version, size, time.monotonic() - started
         try:

@@ -109,8 +109,11 @@ class WeightReceiver:
             the next one is posted at once, not when the event loop gets round to it."""
             try:
                 for index in range(len(into.buckets)):
-                    for piece in into.broadcast_pieces(index, layout):
+                    pieces = into.broadcast_pieces(index, layout)
+                    for piece in pieces:
                         broadcast(group, piece)
+                    if layout == "flattened_buckets":
+                        into.unflatten(index, pieces)
                     loop.call_soon_threadsafe(arrived.put_nowait, index)
             except BaseException:
                 loop.call_soon_threadsafe(arrived.put_nowait, None)

@@ -67,7 +67,7 @@ class WeightPusher:
         self._device = device
         self._group: dist.ProcessGroup | None = None
         self._group_name = ""
-        self._layout = "aligned_buckets"  # per_tensor when a member receives only that
+        self._layout = "aligned_buckets"  # the group's: `group_layout`
 
     @property
     def mode(self) -> Literal["broadcast", "grpc"]:
@@ -150,8 +150,7 @@ class WeightPusher:
     ) -> tuple[dist.ProcessGroup, str]:
         """Hosts the store and joins as rank 0 while every replica joins with the ranks it
         asks for (GetStats' weight_sync_ranks: an SGLang server's tensor-parallel ranks);
-        returns the group and the layout updates travel in (per_tensor when a member
-        receives only that)."""
+        returns the group and the layout updates travel in (`group_layout`)."""
         if backend == "nccl" and not dist.is_nccl_available():
             raise RuntimeError("this torch build has no NCCL")
         stats = await _all(
@@ -188,10 +187,7 @@ class WeightPusher:
                 )
         if isinstance(group, BaseException):
             raise group
-        per_tensor = LAYOUTS["per_tensor"]
-        return group, (
-            "per_tensor" if any(r.layout == per_tensor for r in replies) else "aligned_buckets"
-        )
+        return group, group_layout([reply.layout for reply in replies])
 
     async def _broadcast(
         self, weights: BucketedWeights, policy_version: int, timeout_seconds: float
@@ -265,6 +261,17 @@ class WeightPusher:
     def _drop_group(self, reason: str) -> None:
         log.warning("dropping the weight-sync group (%s); pushing as gRPC streams from now", reason)
         self.close()
+
+
+def group_layout(layouts: Sequence[int]) -> str:
+    """The layout a group's updates travel in, given what each member receives best
+    (InitWeightSyncResponse.layout): the one that all of them take. Per tensor when one member
+    takes only that (every SGLang server does), flattened buckets when one takes those (hf
+    replicas take every layout), else turnrl's aligned buckets."""
+    for name in ("per_tensor", "flattened_buckets"):
+        if LAYOUTS[name] in layouts:
+            return name
+    return "aligned_buckets"
 
 
 async def _all(calls: Iterable[Awaitable[Any]]) -> list[Any]:

@@ -32,6 +32,7 @@ ALIGNMENT_BYTES = 64
 LAYOUTS = {
     "aligned_buckets": rollout_pb2.WEIGHT_LAYOUT_ALIGNED_BUCKETS,
     "per_tensor": rollout_pb2.WEIGHT_LAYOUT_PER_TENSOR,
+    "flattened_buckets": rollout_pb2.WEIGHT_LAYOUT_FLATTENED_BUCKETS,
 }
 
 
@@ -137,10 +138,30 @@ class BucketedWeights:
 
     def broadcast_pieces(self, bucket: int, layout: str) -> list[torch.Tensor]:
         """What bucket `bucket` travels as, one broadcast each, in `layout` (LAYOUTS): the
-        bucket's bytes whole, or each of its tensors."""
+        bucket's bytes whole, each of its tensors, or each run of its tensors of one dtype
+        end to end (copies: a receiver puts them back with `unflatten`)."""
         if layout == "per_tensor":
             return [self.tensor(index) for index in self.buckets[bucket]]
+        if layout == "flattened_buckets":
+            return [
+                torch.cat([self.tensor(index).reshape(-1) for index in run])
+                for run in self.dtype_runs(bucket)
+            ]
         return [self.bucket(bucket)]
+
+    def dtype_runs(self, bucket: int) -> list[list[int]]:
+        """Bucket `bucket`'s tensor indices in runs of one dtype: a flattened bucket's pieces."""
+        return dtype_runs(self.metas, self.buckets[bucket])
+
+    def unflatten(self, bucket: int, pieces: Sequence[torch.Tensor]) -> None:
+        """Copies the flattened pieces of bucket `bucket` (`broadcast_pieces`) into its
+        tensors."""
+        for run, piece in zip(self.dtype_runs(bucket), pieces, strict=True):
+            start = 0
+            for index in run:
+                tensor = self.tensor(index)
+                tensor.copy_(piece[start : start + tensor.numel()].view(tensor.shape))
+                start += tensor.numel()
 
     def named_tensors(self, bucket: int | None = None) -> list[tuple[str, torch.Tensor]]:
         """(name, view) of every tensor, or of bucket `bucket`'s, in order."""
@@ -152,6 +173,17 @@ def bucket_indices(metas: Sequence[TensorMeta], bucket_size_bytes: int) -> list[
     """Which of `metas` travel in each bucket of an update, as `BucketedWeights` lays them out,
     with no memory allocated."""
     return _Layout(list(metas), bucket_size_bytes).buckets
+
+
+def dtype_runs(metas: Sequence[TensorMeta], indices: Sequence[int]) -> list[list[int]]:
+    """`indices` (of `metas`, in order) in runs of one dtype."""
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and metas[runs[-1][-1]].dtype == metas[index].dtype:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return runs
 
 
 class _Layout:

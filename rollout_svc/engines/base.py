@@ -66,10 +66,12 @@ def check_prompt(input_ids: Sequence[int], max_model_len: int) -> None:
 class ServerHeldWeights(Protocol):
     """An engine whose weights live in a server of its own (SGLang): the server joins the
     trainer's weight-sync group with its own ranks and receives updates there, tensor by
-    tensor (WEIGHT_LAYOUT_PER_TENSOR). Weights an engine holds in the service's process are
-    received by the service (`rollout_svc.weight_sync`) and loaded with `update_weights`."""
+    tensor (per_tensor) or in flattened buckets where the server takes them. Weights an engine
+    holds in the service's process are received by the service (`rollout_svc.weight_sync`, in
+    any layout) and loaded with `update_weights`."""
 
     weight_sync_ranks: int  # the ranks the server joins a group with
+    weight_layout: str  # the layout it receives best (turnrl.weights.LAYOUTS)
 
     async def join_weight_sync(
         self,
@@ -89,9 +91,10 @@ class ServerHeldWeights(Protocol):
         group_name: str,
         metas: Sequence[TensorMeta],
         bucket_size_bytes: int,
+        layout: str,
         policy_version: int,
     ) -> None:
-        """Has the server receive one update broadcast tensor by tensor on the group (engine
+        """Has the server receive one update broadcast on the group in `layout` (engine
         paused by the caller) and take `policy_version`."""
 
 

@@ -17,8 +17,8 @@ step. Request and reply shapes are `sglang_api`'s.
 - Weights: the server, which holds them, joins the trainer's weight-sync group itself
   (`join_weight_sync`: SGLang's `init_weights_update_group`, with its tensor-parallel ranks),
   and receives each update tensor by tensor (`receive_weights`: one
-  `update_weights_from_distributed` call per bucket); the rollout service's process stays out
-  of the group. Names and shapes are checked against the model's checkpoint first. Each update
+  `update_weights_from_distributed` call per bucket), or in flattened buckets where the
+  server takes them (`weight_layout`); the rollout service's process stays out of the group. Names and shapes are checked against the model's checkpoint first. Each update
   names its `policy_version` as SGLang's `weight_version`; servers that report per-token
   `weight_versions` spans let a generation that spans a push carry both versions. Without a
   group (PushWeights), an update goes as a safetensors folder (`update_weights_from_disk`).
@@ -34,7 +34,7 @@ import logging
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Self
+from typing import Literal, Self
 
 import httpx
 import tenacity
@@ -73,7 +73,7 @@ from turnrl.errors import (
     TurnrlError,
     UnavailableError,
 )
-from turnrl.weights import BucketedWeights, TensorMeta, bucket_indices
+from turnrl.weights import BucketedWeights, TensorMeta, bucket_indices, dtype_runs
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,13 @@ class SglangEngineOptions(StrictModel):
     max_concurrent_requests: int = Field(
         default=1024, gt=0, description="HTTP connections to the server, so requests at once."
     )
+    weight_layout: Literal["per_tensor", "flattened_buckets"] = Field(
+        default="per_tensor",
+        description="How the server takes weight updates: per_tensor (one broadcast per "
+        "tensor; every SGLang version) or flattened_buckets (one per bucket of one dtype, "
+        "load_format flattened_bucket: far fewer broadcasts; only servers whose "
+        "update_weights_from_distributed takes load_format).",
+    )
 
     @model_validator(mode="after")
     def _one_server(self) -> Self:
@@ -147,6 +154,7 @@ class SglangEngine:
         self._max_model_len = max_model_len
         self._process = process
         self.weight_sync_ranks = 1  # the server's tensor-parallel size, from create()
+        self.weight_layout = options.weight_layout
         self._data_parallel_size = 1
         self._weight_group = ""  # the weight-sync group the server is in
         # The checkpoint's parameter shapes, read on the first update (None: not local).
@@ -316,33 +324,44 @@ class SglangEngine:
         group_name: str,
         metas: Sequence[TensorMeta],
         bucket_size_bytes: int,
+        layout: str,
         policy_version: int,
     ) -> None:
-        """Has the server receive an update that the trainer broadcasts on the group tensor by
-        tensor (WEIGHT_LAYOUT_PER_TENSOR), one `update_weights_from_distributed` call per
-        bucket of `bucket_size_bytes` (the cache flushed after the last), and takes
-        `policy_version` with the last. The engine must be paused.
+        """Has the server receive an update that the trainer broadcasts on the group in
+        `layout`: tensor by tensor, one `update_weights_from_distributed` call per bucket of
+        `bucket_size_bytes`, or in flattened buckets, one call per run of one dtype in each
+        bucket (load_format flattened_bucket); the cache is flushed after the last call, which
+        takes `policy_version`. The engine must be paused.
 
-        Raises InvalidArgumentError, before the server receives anything, for a tensor its
-        model's checkpoint lacks or has in another shape (`check_weights`);
-        FailedPreconditionError when not paused, not in `group_name`, or the server fails.
+        Raises InvalidArgumentError, before the server receives anything, for a layout it does
+        not take and for a tensor its model's checkpoint lacks or has in another shape
+        (`check_weights`); FailedPreconditionError when not paused, not in `group_name`, or the
+        server fails.
         """
+        if layout not in ("per_tensor", self.weight_layout):
+            raise InvalidArgumentError(
+                f"the SGLang server takes per_tensor or {self.weight_layout} updates, not "
+                f"{layout} (engine_options.weight_layout)"
+            )
         self.check_weights(metas)
         if group_name != self._weight_group:
             raise FailedPreconditionError(
                 f"the SGLang server is not in weight-sync group {group_name!r}; call "
                 "InitWeightSync first"
             )
-        buckets = bucket_indices(metas, bucket_size_bytes)
-        for index, bucket in enumerate(buckets):
-            last = index == len(buckets) - 1
+        calls = bucket_indices(metas, bucket_size_bytes)
+        if layout == "flattened_buckets":
+            calls = [run for bucket in calls for run in dtype_runs(metas, bucket)]
+        for index, call in enumerate(calls):
+            last = index == len(calls) - 1
             await self.update_weights_from_distributed(
-                [metas[i].name for i in bucket],
-                [metas[i].dtype for i in bucket],
-                [metas[i].shape for i in bucket],
+                [metas[i].name for i in call],
+                [metas[i].dtype for i in call],
+                [metas[i].shape for i in call],
                 policy_version if last else self._policy_version,
                 group_name=group_name,
                 flush_cache=last,
+                flattened=layout == "flattened_buckets",
             )
 
     async def update_weights_from_distributed(
@@ -354,10 +373,12 @@ class SglangEngine:
         *,
         group_name: str,
         flush_cache: bool = True,
+        flattened: bool = False,
     ) -> None:
         """Receives one bucket of parameters that the trainer broadcasts on the group, one
-        broadcast per tensor in the order of `names`, and takes `policy_version`. The engine
-        must be paused. Pass `flush_cache=False` for every bucket of a push but the last.
+        broadcast per tensor in the order of `names` (or, `flattened`, one of them all end to
+        end, one dtype), and takes `policy_version`. The engine must be paused. Pass
+        `flush_cache=False` for every bucket of a push but the last.
 
         Raises InvalidArgumentError when the three lists differ in length or a dtype is not a
         torch dtype, FailedPreconditionError when the engine is not paused, the version is
@@ -377,6 +398,8 @@ class SglangEngine:
             "flush_cache": flush_cache,
             "weight_version": str(policy_version),
         }
+        if flattened:  # servers before the field reject it
+            body["load_format"] = "flattened_bucket"
         await self._weight_sync_call(
             "/update_weights_from_distributed", body, self._options.weight_sync_timeout_seconds
         )

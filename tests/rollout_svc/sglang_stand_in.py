@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -368,7 +369,13 @@ class SglangStandIn:
             return _weight_sync_failure(f"Unknown dtype in {dtypes}")
         if body.get("flush_cache", True) and self._cache_in_use():
             return PlainTextResponse("AssertionError: Cache flush failed", 500)  # SGLang asserts
-        received = await asyncio.to_thread(receive_per_tensor, group, dtypes, shapes)
+        load_format = body.get("load_format")
+        if load_format not in (None, "flattened_bucket"):
+            return _weight_sync_failure(f"Unknown load_format {load_format!r}")
+        if load_format and len(set(dtypes)) > 1:  # FlattenedTensorBucket concatenates them
+            return _weight_sync_failure(f"a flattened bucket of several dtypes: {dtypes}")
+        receive = receive_flattened if load_format else receive_per_tensor
+        received = await asyncio.to_thread(receive, group, dtypes, shapes)
         await self._load(dict(zip(names, received, strict=True)), body.get("weight_version"))
         return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
 
@@ -455,6 +462,17 @@ def join_as_sglang(body: dict, group_name: str) -> dist.ProcessGroup:
     )  # fmt: skip
     _world.pg_group_ranks[group] = {member: member for member in range(world_size)}
     return group
+
+
+def receive_flattened(
+    group: dist.ProcessGroup, dtypes: list[str], shapes: list[list[int]]
+) -> list[torch.Tensor]:
+    """One broadcast of the tensors end to end, as SGLang's load_format "flattened_bucket"
+    (its FlattenedTensorBucket) receives them; split back into the tensors."""
+    sizes = [math.prod(shape) for shape in shapes]
+    flat = torch.empty(sum(sizes), dtype=getattr(torch, dtypes[0]))
+    dist.broadcast(flat, src=0, group=group)
+    return [piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes, strict=True)]
 
 
 def receive_per_tensor(

@@ -147,13 +147,13 @@ async def test_abort_of_a_request_not_running_sends_nothing(stand_in, engine):
 
 @contextlib.asynccontextmanager
 async def weight_group(
-    engine: SglangEngine, specs: list[str], name: str = "g"
+    engine: SglangEngine, specs: list[str], name: str = "g", layout: str = "per_tensor"
 ) -> AsyncIterator[dict[str, torch.Tensor]]:
     """A real gloo weight-sync group that the stand-in server joins, its rank 0 a process
     (`weight_sender`) that broadcasts the tensors `specs` name once the server receives them;
     yields those tensors, and checks the sender's exit."""
     sender = await asyncio.create_subprocess_exec(
-        sys.executable, *weight_sender.command(name, specs),
+        sys.executable, *weight_sender.command(name, specs, layout=layout, bucket_size=2048),
         cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
@@ -182,7 +182,7 @@ async def test_pause_holds_a_request_across_a_weight_push(stand_in, engine):
     async with weight_group(engine, specs) as sent:
         metas = [TensorMeta(name, t.dtype, tuple(t.shape)) for name, t in sent.items()]
         # Buckets of 2 KiB: the embedding and the norm travel together, the head apart.
-        await engine.receive_weights("g", metas, 2048, policy_version=1)
+        await engine.receive_weights("g", metas, 2048, "per_tensor", policy_version=1)
     assert stand_in.decoded("r-push") == 2  # paused: not one step in all that time
     assert engine.policy_version == 1
     await engine.resume()
@@ -219,6 +219,29 @@ async def test_pause_holds_a_request_across_a_weight_push(stand_in, engine):
             "weight_version": "1",
         },
     ]
+
+
+async def test_flattened_buckets_go_one_call_per_run_of_one_dtype(stand_in):
+    options = SglangEngineOptions(
+        url=stand_in.url, weight_layout="flattened_buckets", **engine_options()
+    )
+    engine = await SglangEngine.create(options, MODEL_PATH, MAX_MODEL_LEN)
+    specs = [
+        "a:float32:8", "b:float32:4x2", "c:bfloat16:16", "d:float32:100x8",
+    ]  # fmt: skip
+    await engine.pause()
+    async with weight_group(engine, specs, layout="flattened_buckets") as sent:
+        metas = [TensorMeta(name, t.dtype, tuple(t.shape)) for name, t in sent.items()]
+        # Buckets of 2 KiB: a, b, c together (two runs), d alone.
+        await engine.receive_weights("g", metas, 2048, "flattened_buckets", 1)
+    await engine.close()
+    bodies = stand_in.bodies("/update_weights_from_distributed")
+    assert [(body["names"], body["load_format"]) for body in bodies] == [
+        (["a", "b"], "flattened_bucket"), (["c"], "flattened_bucket"),
+        (["d"], "flattened_bucket"),
+    ]  # fmt: skip
+    for name, tensor in sent.items():
+        assert torch.equal(stand_in.weights[name], tensor), name
 
 
 async def test_joining_a_new_group_leaves_the_last(stand_in, engine):
@@ -262,8 +285,13 @@ async def test_weight_update_is_checked_before_anything_is_sent(stand_in, engine
         await update(["w", "v"], ["float32"], [[2]], 1)
     with pytest.raises(InvalidArgumentError, match="'float33' is not a torch dtype"):
         await update(["w"], ["float33"], [[2]], 1)
+    w = [TensorMeta("w", torch.float32, (2,))]
     with pytest.raises(FailedPreconditionError, match="not in weight-sync group 'g'"):
-        await engine.receive_weights("g", [TensorMeta("w", torch.float32, (2,))], 64, 1)
+        await engine.receive_weights("g", w, 64, "per_tensor", 1)
+    with pytest.raises(InvalidArgumentError, match="not flattened_buckets"):
+        await engine.receive_weights("g", w, 64, "flattened_buckets", 1)
+    with pytest.raises(InvalidArgumentError, match="not aligned_buckets"):
+        await engine.receive_weights("g", w, 64, "aligned_buckets", 1)
     assert "/update_weights_from_distributed" not in stand_in.paths()
 
 
@@ -313,7 +341,7 @@ async def test_an_update_the_checkpoint_does_not_fit_is_refused_before_it_travel
     with pytest.raises(InvalidArgumentError, match=r"'model\.nope' is not a parameter"):
         engine.check_weights([TensorMeta("model.nope", torch.float32, (3,))])
     with pytest.raises(InvalidArgumentError, match="has shape"):
-        await engine.receive_weights("g", [norm], 64, 1)
+        await engine.receive_weights("g", [norm], 64, "per_tensor", 1)
     await engine.close()
     assert "/update_weights_from_distributed" not in stand_in.paths()
 

@@ -106,7 +106,7 @@ async def joined(
             await sender.wait()
 
 
-@pytest.mark.parametrize("layout", ["aligned_buckets", "per_tensor"])
+@pytest.mark.parametrize("layout", ["aligned_buckets", "per_tensor", "flattened_buckets"])
 async def test_receives_a_gloo_broadcast_from_rank_zero(layout):
     tensors, bucket_size = weight_sender.sent_tensors(SPECS), 2048
     async with joined(bucket_size, layout) as receiver:

@@ -26,13 +26,14 @@ from turnrl.weights import BucketedWeights
 
 
 @contextlib.asynccontextmanager
-async def sglang_replica(model_dir) -> AsyncIterator[tuple]:
-    """A rollout service on the SGLang engine, its server a stand-in that serves `model_dir`
-    (the rollout config's model_path, whose checkpoint the engine checks updates against)."""
+async def sglang_replica(model_dir, **options) -> AsyncIterator[tuple]:
+    """A rollout service on the SGLang engine with engine `options`, its server a stand-in
+    that serves `model_dir` (the rollout config's model_path, whose checkpoint the engine
+    checks updates against)."""
     server = SglangStandIn(model_path=str(model_dir))
     async with serve_app(server.app()) as url:
         server.url = url
-        options = engine_options(url=url)
+        options = engine_options(url=url, **options)
         try:
             async with rollout_server(
                 model_dir, DEAD_ADDRESS, DEAD_ADDRESS, engine="sglang", engine_options=options
@@ -89,6 +90,22 @@ async def test_one_group_with_an_hf_replica_sends_tensor_by_tensor_to_both(tiny_
         assert_sampled_by(await sample(hf), perturbed, original, policy_version=1)
         (joined,) = server.bodies("/init_weights_update_group")
         assert (joined["rank_offset"], joined["world_size"]) == (2, 3)
+
+
+async def test_a_server_that_takes_flattened_buckets_gets_them_hf_replicas_too(tiny_model_dir):
+    original, perturbed = load(tiny_model_dir), load(tiny_model_dir, noise_seed=5)
+    async with (
+        sglang_replica(tiny_model_dir, weight_layout="flattened_buckets") as (sglang, server),
+        rollout_server(tiny_model_dir, DEAD_ADDRESS, DEAD_ADDRESS) as hf,
+        connected([sglang, hf], "broadcast") as pusher,
+    ):
+        weights = packed(perturbed.state_dict(), 64 * 1024)
+        assert (await pusher.push(weights, 1)).policy_versions == [1, 1]
+        assert_holds(server, weights)
+        assert_sampled_by(await sample(hf), perturbed, original, policy_version=1)
+        updates = server.bodies("/update_weights_from_distributed")
+        assert {body.get("load_format") for body in updates} == {"flattened_bucket"}
+        assert len(updates) < len(weights.metas)  # fewer calls, so fewer broadcasts
 
 
 async def test_without_a_group_the_server_loads_the_update_from_disk(tiny_model_dir):

@@ -42,6 +42,11 @@ class _WeightLayoutEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WeightLa
     """One broadcast per tensor, in spec order: what SGLang's update_weights_from_distributed
     receives.
     """
+    WEIGHT_LAYOUT_FLATTENED_BUCKETS: _WeightLayout.ValueType  # 3
+    """One broadcast per run of tensors of one dtype within a bucket, end to end with no
+    padding: SGLang's update_weights_from_distributed with load_format "flattened_bucket",
+    on servers that take it.
+    """
 
 class WeightLayout(_WeightLayout, metaclass=_WeightLayoutEnumTypeWrapper):
     """How the tensors of an update travel on a weight-sync group."""
@@ -55,6 +60,11 @@ offset in it (turnrl's own, `turnrl/weights.py`): the fewest broadcasts.
 WEIGHT_LAYOUT_PER_TENSOR: WeightLayout.ValueType  # 2
 """One broadcast per tensor, in spec order: what SGLang's update_weights_from_distributed
 receives.
+"""
+WEIGHT_LAYOUT_FLATTENED_BUCKETS: WeightLayout.ValueType  # 3
+"""One broadcast per run of tensors of one dtype within a bucket, end to end with no
+padding: SGLang's update_weights_from_distributed with load_format "flattened_bucket",
+on servers that take it.
 """
 Global___WeightLayout: _TypeAlias = WeightLayout  # noqa: Y015
 
@@ -482,8 +492,9 @@ class InitWeightSyncResponse(_message.Message):
     ranks_joined: _builtins.int
     """Ranks this replica joined the group with."""
     layout: Global___WeightLayout.ValueType
-    """The layout this replica's engine receives; a group with one PER_TENSOR member sends
-    every update PER_TENSOR.
+    """The layout this replica's engine receives. A group sends PER_TENSOR when one member
+    receives that, else FLATTENED_BUCKETS when one does, else ALIGNED_BUCKETS; an engine in
+    the service's process receives every layout.
     """
     def __init__(
         self,
