@@ -255,6 +255,7 @@ class Rollouts:
             reward_replicas=None,
             interactions={},
             tool_call_timeout_seconds=60.0,
+            reward_timeout_seconds=60.0,
         )
         config = RolloutConfig(max_concurrent_trajectories=size)
         return RolloutService(config, engine, loop, ToolSchemas(self.tool_client))

@@ -95,7 +95,7 @@ class AgentLoop:
     reward_replicas: ReplicaSet[reward_pb2_grpc.RewardServiceStub]
     interactions: dict[str, Interaction]
     tool_call_timeout_seconds: float
-    reward_timeout_seconds: float = 120.0
+    reward_timeout_seconds: float
     # Generate calls being aborted, and the engine requests running per call.
     aborted: set[str] = field(default_factory=set)
     engine_requests: dict[str, set[str]] = field(default_factory=dict)

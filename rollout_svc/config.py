@@ -92,6 +92,12 @@ class RolloutConfig(StrictModel):
     tool_call_timeout_seconds: float = Field(
         default=60.0, gt=0, description="Deadline of one tool call, in seconds."
     )
+    reward_timeout_seconds: float = Field(
+        default=120.0,
+        gt=0,
+        description="Deadline of scoring one trajectory, in seconds, tries again while the "
+        "reward service is down included; long enough for an LLM judge.",
+    )
     interactions: list[InteractionEntry] = Field(
         default_factory=list, description="Simulated users, by name."
     )

@@ -105,6 +105,7 @@ class RolloutService:
             reward_replicas=ReplicaSet(config.reward_service, reward_pb2_grpc.RewardServiceStub),
             interactions=interactions,
             tool_call_timeout_seconds=config.tool_call_timeout_seconds,
+            reward_timeout_seconds=config.reward_timeout_seconds,
         )
         return cls(config, engine, loop, ToolSchemas(tool_client))
 

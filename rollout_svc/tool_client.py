@@ -21,6 +21,8 @@ class ToolClient:
 
     def __init__(self, config: ClientConfig) -> None:
         self._replicas = ReplicaSet(config, tool_pb2_grpc.ToolServiceStub)
+        # The deadline of a call that names none (ListTools), retries included.
+        self.timeout_seconds = config.timeout_seconds
 
     @property
     def unavailable_answers(self) -> int:

@@ -14,8 +14,6 @@ from rollout_svc.tool_client import ToolClient
 from turnrl.errors import InvalidArgumentError
 from turnrl.v1 import common_pb2, tool_pb2
 
-LIST_TOOLS_TIMEOUT_SECONDS = 30.0
-
 
 class ToolSchemas:
     """OpenAI tool schemas by tool name, as the tool service serves them."""
@@ -43,7 +41,7 @@ class ToolSchemas:
 
     async def _refresh(self) -> None:
         reply = await self._tool_client.list_tools(
-            tool_pb2.ListToolsRequest(), timeout_seconds=LIST_TOOLS_TIMEOUT_SECONDS
+            tool_pb2.ListToolsRequest(), timeout_seconds=self._tool_client.timeout_seconds
         )
         self._schemas = {info.schema.name: _openai_schema(info.schema) for info in reply.tools}
 

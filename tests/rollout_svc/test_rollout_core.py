@@ -246,7 +246,8 @@ async def test_a_weight_push_mid_generate_splits_the_trajectory_by_policy_versio
 
 
 async def test_dead_reward_service_marks_the_reward_as_an_error(random_model_dir):
-    async with rollout(random_model_dir) as service:
+    # Scoring is tried again until its deadline: a short one keeps the test short.
+    async with rollout(random_model_dir, reward_timeout_seconds=3.0) as service:
         limits = service.limits(0, 0, 4, 0)
         [trajectory] = await collect(
             service,
@@ -319,6 +320,7 @@ async def agent_loop(model_dir: Path, tool_address: str) -> AsyncIterator[AgentL
         ),
         interactions={},
         tool_call_timeout_seconds=10,
+        reward_timeout_seconds=10,
     )
     try:
         yield loop

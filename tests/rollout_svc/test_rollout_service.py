@@ -214,7 +214,10 @@ async def test_a_tool_service_that_dies_becomes_a_tool_error(tiny_model_dir):
         )  # fmt: skip
     async with contextlib.AsyncExitStack() as tool_lifetime, reward_service_address() as rewards:
         tools = await tool_lifetime.enter_async_context(tool_service_address())
-        async with rollout_server(tiny_model_dir, tools, rewards) as stub:
+        # A call to the dead service is tried again until its deadline: a short one here.
+        async with rollout_server(
+            tiny_model_dir, tools, rewards, tool_call_timeout_seconds=3.0
+        ) as stub:
             before = await generate(stub, request)  # the rollout service knows the schemas now
             await tool_lifetime.aclose()  # the tool service dies
             trajectories = await generate(stub, request)

@@ -173,10 +173,13 @@ async def test_a_request_error_is_raised_not_dispatched_again(tiny_model_dir):
 async def test_an_unavailable_sent_by_a_replica_that_answers_is_not_a_lost_replica(
     tiny_model_dir,
 ):
-    # Its tool service is unreachable: Generate fails with UNAVAILABLE from the replica itself.
-    async with rollout_replicas(tiny_model_dir, 1, "rollout.tool_service.address=127.0.0.1:1") as (
-        replica,
-    ):
+    # Its tool service is unreachable: Generate fails with UNAVAILABLE from the replica itself
+    # (once ListTools' deadline, kept short here, is spent trying again).
+    unreachable = [
+        "rollout.tool_service.address=127.0.0.1:1",
+        "rollout.tool_service.timeout_seconds=3",
+    ]
+    async with rollout_replicas(tiny_model_dir, 1, *unreachable) as (replica,):
         router = RolloutRouter(ClientConfig(address=replica.address), no_catch_up)
         try:
             with pytest.raises(errors.UnavailableError, match="ListTools"):
