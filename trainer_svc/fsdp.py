@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -54,6 +53,13 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer_svc.config import TrainSettings
+from trainer_svc.forward import (
+    PrefixUnits,
+    can_share_prefixes,
+    prefix_units,
+    shared_prefix_logprobs,
+    whole_row_logprobs,
+)
 from turnrl.weights import BucketedWeights
 
 # Files of a Hugging Face tokenizer folder that `save_pretrained` copies, when present.
@@ -81,6 +87,9 @@ class Batch:
     loss_mask: Tensor  # bool; True where the loss applies (sampled tokens)
     # Per-token floats split with the rows: old_logprobs, advantages, ref_logprobs, ...
     extras: dict[str, Tensor] = field(default_factory=dict)
+    # (rows,) long: rows of one value share their prompt (a GRPO group); None: not known.
+    # The policy's forward computes a group's shared prefix once (`trainer_svc.forward`).
+    groups: Tensor | None = None
     # Set by `train_step` on each micro-batch: loss tokens and rows over all ranks' batches.
     global_token_count: int = 0
     global_sequence_count: int = 0
@@ -92,8 +101,10 @@ class Batch:
         loss_masks: list[list[bool]],
         extras: dict[str, list[list[float]]] | None = None,
         pad_token_id: int = 0,
+        groups: list[int] | None = None,
     ) -> "Batch":
-        """Pads rows on the right; every loss mask and extra row has its token row's length."""
+        """Pads rows on the right; every loss mask and extra row has its token row's length.
+        `groups`: each row's group (rows of one prompt), when known."""
         extras = extras or {}
         for name, rows in {"loss_masks": loss_masks, **extras}.items():
             lengths = [len(row) for row in rows]
@@ -114,6 +125,7 @@ class Batch:
             attention_mask=padded([[1] * len(row) for row in token_ids], 0, torch.long),
             loss_mask=padded(loss_masks, False, torch.bool),
             extras={name: padded(rows, 0.0, torch.float32) for name, rows in extras.items()},
+            groups=None if groups is None else torch.tensor(groups, dtype=torch.long),
         )
 
     def select(self, rows: list[int], device: torch.device) -> "Batch":
@@ -130,6 +142,7 @@ class Batch:
             attention_mask=take(self.attention_mask),
             loss_mask=take(self.loss_mask),
             extras={name: take(tensor) for name, tensor in self.extras.items()},
+            groups=None if self.groups is None else self.groups[index].to(device),
         )
 
 
@@ -193,19 +206,44 @@ def micro_batch_rows(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
-def token_logprobs(
-    logits: Tensor, input_ids: Tensor, with_entropy: bool
-) -> tuple[Tensor, Tensor | None]:
-    """logprobs[:, t] of input_ids[:, t] under logits[:, t - 1], and that distribution's
-    entropy; column 0 has no prefix and gets 0. Works in fp32 whatever the logits' dtype."""
-    logits = logits[:, :-1].float()
-    log_norm = logits.logsumexp(-1)
-    picked = logits.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - log_norm
-    if not with_entropy:
-        return F.pad(picked, (1, 0)), None
-    probs = (logits - log_norm[..., None]).exp()
-    entropy = log_norm - (probs * logits).sum(-1)
-    return F.pad(picked, (1, 0)), F.pad(entropy, (1, 0))
+def shared_prefix_micro_batch_rows(
+    row_lengths: list[int], units: PrefixUnits, max_tokens: int
+) -> list[list[int]]:
+    """Row indices of each micro-batch of a forward that runs each prefix of `units` once
+    (`shared_prefix_logprobs`): whole units, longest rows first, each micro-batch filled while
+    its two forwards fit in `max_tokens` (its prefixes x the longest of them, plus its rows x
+    the longest of their remainders). A unit too large for that alone is split into runs of its
+    rows that fit, each run computing the prefix again."""
+    prefix = units.lengths.tolist()
+    unit_rows: dict[int, list[int]] = {}
+    for row, unit in enumerate(units.of_row.tolist()):
+        unit_rows.setdefault(unit, []).append(row)
+    # (prefix length, longest remainder, rows): runs of a unit's rows, longest first.
+    runs: list[tuple[int, int, list[int]]] = []
+    for unit, rows in unit_rows.items():
+
+        def remainder(row: int, unit: int = unit) -> int:
+            return max(row_lengths[row] - prefix[unit], 1)
+
+        run: list[int] = []
+        for row in sorted(rows, key=remainder, reverse=True):
+            if run and prefix[unit] + (len(run) + 1) * remainder(run[0]) > max_tokens:
+                runs.append((prefix[unit], remainder(run[0]), run))
+                run = []
+            run.append(row)
+        runs.append((prefix[unit], remainder(run[0]), run))
+    micro_batches: list[tuple[int, int, int, list[int]]] = []  # runs, longest prefix, ...
+    for prefix_length, remainder, rows in sorted(runs, key=lambda run: -sum(run[:2])):
+        if micro_batches:
+            count, longest_prefix, longest_remainder, taken = micro_batches[-1]
+            longest_prefix = max(longest_prefix, prefix_length)
+            longest_remainder = max(longest_remainder, remainder)
+            cost = (count + 1) * longest_prefix + (len(taken) + len(rows)) * longest_remainder
+            if cost <= max_tokens:
+                micro_batches[-1] = (count + 1, longest_prefix, longest_remainder, taken + rows)
+                continue
+        micro_batches.append((1, prefix_length, remainder, rows))
+    return [rows for *_, rows in micro_batches]
 
 
 class FsdpModel:
@@ -218,6 +256,9 @@ class FsdpModel:
 
     def __init__(self, model: PreTrainedModel, settings: TrainSettings) -> None:
         self.settings = settings
+        # Whether forwards compute a group's shared prefix once (`trainer_svc.forward`): the
+        # policy's, where the settings and the model allow.
+        self.shares_prefixes = False
         joined_a_group = dist.is_initialized()
         self.rank, self.world_size = init_distributed()
         self.is_sharded = dist.is_initialized()
@@ -387,8 +428,13 @@ class FsdpModel:
         """(rows, micro-batch, is_filler) in order. Under FSDP every rank runs as many
         micro-batches as the rank with most, since each forward gathers parameters with all of
         them: a rank with fewer repeats its last one as a filler, whose loss counts zero."""
-        lengths = batch.attention_mask.sum(1).tolist()
-        groups = micro_batch_rows(lengths, self.settings.micro_batch_tokens)
+        lengths = batch.attention_mask.sum(1)
+        budget = self.settings.micro_batch_tokens
+        if self.shares_prefixes and batch.groups is not None:
+            units = prefix_units(batch.input_ids, lengths, batch.groups)
+            groups = shared_prefix_micro_batch_rows(lengths.tolist(), units, budget)
+        else:
+            groups = micro_batch_rows(lengths.tolist(), budget)
         count = len(groups)
         if self.is_sharded:
             count_tensor = torch.tensor(count, device=self.device)
@@ -415,9 +461,9 @@ class FsdpPolicy(FsdpModel):
     """The trained policy: a causal LM, its logprobs and train step, and its export."""
 
     def __init__(self, model_path: str | Path, settings: TrainSettings) -> None:
-        super().__init__(
-            AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), settings
-        )
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        super().__init__(model, settings)
+        self.shares_prefixes = settings.shared_prefix_forward and can_share_prefixes(model)
 
     def logprobs(self, batch: Batch, *, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         """Logprob (and entropy) of each token given its prefix, (rows, length) like the batch,
@@ -474,9 +520,10 @@ class FsdpPolicy(FsdpModel):
 
     def _forward(self, micro: Batch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         with self._autocast():
-            logits = self.model(
-                input_ids=micro.input_ids, attention_mask=micro.attention_mask, use_cache=False
-            ).logits
-        logprobs, entropy = token_logprobs(logits, micro.input_ids, with_entropy)
-        real = micro.attention_mask.bool()
-        return logprobs * real, None if entropy is None else entropy * real
+            if self.shares_prefixes and micro.groups is not None:
+                return shared_prefix_logprobs(
+                    self.model, micro.input_ids, micro.attention_mask, micro.groups, with_entropy
+                )
+            return whole_row_logprobs(
+                self.model, micro.input_ids, micro.attention_mask, with_entropy
+            )

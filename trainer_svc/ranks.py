@@ -16,8 +16,10 @@ rank, split its rows the same way and gather the results (`FsdpModel._per_token`
 
 import asyncio
 import datetime
+import functools
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -58,14 +60,22 @@ class Ranks:
         if self.world_size > 1:
             self._calls = dist.new_group(backend="gloo", timeout=FOLLOW_TIMEOUT)
         self.models: Models | None = None
+        # Every model computation runs on this one thread: torch keeps per-thread state (the
+        # OpenMP thread team, kernel caches), and a step on a thread new to it took 1.6 times
+        # as long (benchmarks/vs_trl.py).
+        self._compute_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
 
     async def build(self, factory: Callable[P, Models], *args: P.args) -> Models:
         """Makes the run's models with `factory(*args)` on every rank; returns rank 0's."""
-        return await asyncio.to_thread(self._everywhere, "build", factory, args)
+        return await self._on_compute_thread(self._everywhere, "build", factory, args)
 
     async def run(self, function: Callable[Concatenate[Models, P], T], *args: P.args) -> T:
         """`function(models, *args)` on every rank; rank 0's result."""
-        return await asyncio.to_thread(self._everywhere, "run", function, args)
+        return await self._on_compute_thread(self._everywhere, "run", function, args)
+
+    async def _on_compute_thread(self, function: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._compute_thread, functools.partial(function, *args))
 
     async def close(self) -> None:
         """Ends the other ranks' `follow` (rank 0, when the service stops)."""

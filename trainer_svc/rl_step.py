@@ -56,16 +56,18 @@ def rollout_batch(
     extras = {"rollout_logprobs": [t.rollout_logprobs for t in trajectories]}
     if policy_version is not None:
         extras["policy_staleness"] = [_token_staleness(t, policy_version) for t in trajectories]
+    group_index = _group_index(trajectories)
     batch = Batch.from_sequences(
         [t.token_ids for t in trajectories],
         [t.loss_mask for t in trajectories],
         extras,
         pad_token_id,
+        groups=group_index.tolist(),
     )
     return RolloutBatch(
         batch=batch,
         rewards=_rewards(trajectories),
-        group_index=_group_index(trajectories),
+        group_index=group_index,
         trajectories=trajectories,
     )
 

@@ -51,6 +51,10 @@ about 7 ms with ten tool schemas and a 2 KB tool result), so async callers run i
 import hashlib
 import inspect
 import itertools
+import json
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -66,6 +70,13 @@ CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 BASE_MESSAGES = ({"role": "user", "content": "Hello."},)
 # Roles `append_messages` accepts: assistant turns come from the model only.
 NON_MODEL_ROLES = frozenset({"system", "user", "tool"})
+# Renders of prompts kept per tokenizer: a rollout's conversations render the same base and,
+# a GRPO group's samples, the same prompt; least recently used ones go beyond this many.
+PROMPT_RENDERS_KEPT = 4096
+_prompt_renders: "weakref.WeakKeyDictionary[Any, OrderedDict[str, list[int]]]" = (
+    weakref.WeakKeyDictionary()
+)
+_prompt_renders_lock = threading.Lock()
 
 
 class ConversationTokens:
@@ -125,10 +136,10 @@ class ConversationTokens:
             raise FailedPreconditionError("prompt_ids was called already for this conversation")
         if not messages:
             raise InvalidArgumentError("the prompt needs at least one message, got []")
-        ids = self._render(list(messages), add_generation_prompt=True)
+        ids = self._render_prompt(list(messages), add_generation_prompt=True)
         # Worked out here, off the caller's event loop: the first render compiles the template.
-        self._base_ids = self._render(list(BASE_MESSAGES), add_generation_prompt=False)
-        prompted_ids = self._render(list(BASE_MESSAGES), add_generation_prompt=True)
+        self._base_ids = self._render_prompt(list(BASE_MESSAGES), add_generation_prompt=False)
+        prompted_ids = self._render_prompt(list(BASE_MESSAGES), add_generation_prompt=True)
         self._require_prefix(self._base_ids, prompted_ids, "the generation prompt")
         self._generation_prompt_ids = prompted_ids[len(self._base_ids) :]
         return ids
@@ -266,6 +277,31 @@ class ConversationTokens:
 
     def _ends_turn(self, output_ids: list[int]) -> bool:
         return output_ids[-1] in self._stop_token_ids
+
+    def _render_prompt(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """`_render`, remembered per tokenizer for the conversations that render the same
+        prompt with the same template, tools and kwargs (a render is deterministic)."""
+        key = json.dumps(
+            [
+                messages,
+                add_generation_prompt,
+                self._chat_template,
+                self._tools,
+                self._template_kwargs,
+            ]
+        )
+        with _prompt_renders_lock:
+            renders = _prompt_renders.setdefault(self._tokenizer, OrderedDict())
+            ids = renders.get(key)
+            if ids is not None:
+                renders.move_to_end(key)
+                return list(ids)
+        ids = self._render(messages, add_generation_prompt)
+        with _prompt_renders_lock:
+            renders[key] = ids
+            if len(renders) > PROMPT_RENDERS_KEPT:
+                renders.popitem(last=False)
+        return list(ids)
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         _require_unicode(messages)

@@ -266,25 +266,20 @@ class ModelRunner:
         distribution (see `HfEngine` for why). A row that cannot be sampled (the model's
         logits are NaN) gets no token: its error is returned by row, for that request alone
         to fail."""
-        tokens: dict[int, int] = {}
-        failed: dict[int, Exception] = {}
-        for row, request in enumerate(requests):
-            try:
-                tokens[row] = _next_token(logits[row], request)
-            except FailedPreconditionError as error:
-                failed[row] = error
-        if not tokens:
+        tokens, failed = next_tokens(logits, requests)
+        rows = [row for row in range(len(requests)) if row not in failed]
+        if not rows:
             return failed
-        rows = torch.tensor(list(tokens), device=logits.device)
-        index = torch.tensor(list(tokens.values()), device=logits.device)[:, None]
-        logprobs = logits[rows].log_softmax(-1).gather(1, index)[:, 0].tolist()
-        for (row, token), logprob in zip(tokens.items(), logprobs, strict=True):
+        index = torch.tensor(rows, device=logits.device)
+        picked = tokens[index]
+        logprobs = logits[index].log_softmax(-1).gather(1, picked[:, None])[:, 0].tolist()
+        for row, token, logprob in zip(rows, picked.tolist(), logprobs, strict=True):
             request = requests[row]
             request.token_ids.append(token)
             request.output_ids.append(token)
             request.logprobs.append(logprob)
             request.policy_versions.append(self.policy_version)
-        self.counters["tokens_generated"] += len(tokens)
+        self.counters["tokens_generated"] += len(rows)
         return failed
 
     def check_shapes(
@@ -347,41 +342,84 @@ def _common_prefix_len(sequences: list[list[int]]) -> int:
     )
 
 
-def _next_token(logits: torch.Tensor, request: Request) -> int:
-    """Picks the next token from one row of float32 logits under the request's sampling params:
-    repetition penalty, then greedy argmax or temperature, top-k, top-p and min-p sampling.
-    Raises FailedPreconditionError when the logits leave nothing to sample (NaN weights)."""
-    if logits.isnan().any():
-        raise FailedPreconditionError(
-            f"request {request.request_id!r}: the model's logits are NaN (were NaN weights loaded?)"
+def next_tokens(
+    logits: torch.Tensor, requests: list[Request]
+) -> tuple[torch.Tensor, dict[int, Exception]]:
+    """The next token of each request (row of float32 logits) under its sampling params, all
+    rows at once: repetition penalty, then greedy argmax or temperature, top-k, top-p and
+    min-p sampling, each request drawing from its own generator (one uniform number a token,
+    so its samples do not depend on its batch mates). Returns the tokens, and by row the
+    FailedPreconditionError of each request that leaves nothing to sample (NaN weights)."""
+    failed: dict[int, Exception] = {}
+    for row in logits.isnan().any(1).nonzero()[:, 0].tolist():
+        failed[row] = FailedPreconditionError(
+            f"request {requests[row].request_id!r}: the model's logits are NaN (were NaN "
+            "weights loaded?)"
         )
-    sampling = request.sampling
-    if sampling.repetition_penalty != 1.0:
-        seen = torch.tensor(request.token_ids, device=logits.device)
-        scores = logits.gather(0, seen)
-        penalized = torch.where(
-            scores > 0, scores / sampling.repetition_penalty, scores * sampling.repetition_penalty
-        )
-        # A penalty near 0 (or above 1e38) overflows a score to infinity; clamped, it stays
-        # the most (least) likely token instead of turning the softmax into NaN.
-        finite = torch.finfo(logits.dtype)
-        logits = logits.scatter(0, seen, penalized.clamp(finite.min, finite.max))
-    if request.generator is None:
-        return int(logits.argmax())
-    # Shifted so the best logit is 0 before dividing: a temperature near 0 then sends the
-    # others to -inf (greedy in the limit) instead of every logit to +-inf and NaN.
-    probs = torch.softmax((logits - logits.max()) / sampling.temperature, dim=-1)
-    if 0 < sampling.top_k < probs.numel():
-        probs = torch.where(probs >= probs.topk(sampling.top_k).values[-1], probs, 0.0)
-    if sampling.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest head whose mass reaches top_p: drop a token once the mass before it does.
-        mass_before = sorted_probs.cumsum(0) - sorted_probs
-        probs = probs.scatter(0, order[mass_before >= sampling.top_p * probs.sum()], 0.0)
-    if sampling.min_p > 0.0:
-        probs = torch.where(probs >= sampling.min_p * probs.max(), probs, 0.0)
-    if not probs.isfinite().all() or probs.sum() <= 0:
-        raise FailedPreconditionError(
-            f"request {request.request_id!r}: no token left to sample (every logit is -inf?)"
-        )
-    return int(torch.multinomial(probs, 1, generator=request.generator))
+    penalized = [row for row, r in enumerate(requests) if r.sampling.repetition_penalty != 1.0]
+    if penalized:
+        logits = logits.clone()
+        for row in penalized:
+            logits[row] = _penalize_repetition(logits[row], requests[row])
+    tokens = logits.argmax(-1)
+    sampled = [row for row, r in enumerate(requests) if r.generator is not None]
+    if sampled:
+        index = torch.tensor(sampled, device=logits.device)
+        probs = _filtered_probs(logits[index], [requests[row].sampling for row in sampled])
+        cdf = probs.cumsum(-1)
+        generators = [requests[row].generator for row in sampled]
+        uniform = torch.cat([torch.rand(1, generator=g, device=g.device) for g in generators])
+        drawn = torch.searchsorted(cdf, (uniform.to(cdf) * cdf[:, -1])[:, None], right=True)
+        # A draw rounded up to the total mass lands past the end: the likeliest token then.
+        drawn = torch.where(drawn[:, 0] < probs.shape[1], drawn[:, 0], probs.argmax(-1))
+        tokens[index] = drawn
+        for position, row in enumerate(sampled):
+            total = cdf[position, -1]
+            if row not in failed and not (total.isfinite() and total > 0):
+                failed[row] = FailedPreconditionError(
+                    f"request {requests[row].request_id!r}: no token left to sample (every "
+                    "logit is -inf?)"
+                )
+    return tokens, failed
+
+
+def _penalize_repetition(logits: torch.Tensor, request: Request) -> torch.Tensor:
+    """One row's logits with the repetition penalty on the tokens seen so far (HF's rule:
+    positive scores divided by it, negative ones multiplied)."""
+    penalty = request.sampling.repetition_penalty
+    seen = torch.tensor(request.token_ids, device=logits.device)
+    scores = logits.gather(0, seen)
+    penalized = torch.where(scores > 0, scores / penalty, scores * penalty)
+    # A penalty near 0 (or above 1e38) overflows a score to infinity; clamped, it stays the most
+    # (least) likely token instead of turning the softmax into NaN.
+    finite = torch.finfo(logits.dtype)
+    return logits.scatter(0, seen, penalized.clamp(finite.min, finite.max))
+
+
+def _filtered_probs(logits: torch.Tensor, sampling: list[SamplingParams]) -> torch.Tensor:
+    """Each row's sampling distribution, unnormalised: softmax at its temperature, then its
+    top-k, top-p and min-p filters (each off at its neutral value), zeros where filtered."""
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=logits.dtype, device=logits.device)[:, None]
+
+    temperature = column([s.temperature for s in sampling])
+    # Shifted so the best logit is 0 before dividing: a temperature near 0 then sends the others
+    # to -inf (greedy in the limit) instead of every logit to +-inf and NaN.
+    probs = torch.softmax((logits - logits.max(-1, keepdim=True).values) / temperature, dim=-1)
+    vocab = probs.shape[1]
+    top_k = [s.top_k if 0 < s.top_k < vocab else vocab for s in sampling]
+    top_p = [s.top_p for s in sampling]
+    if min(top_k) < vocab or min(top_p) < 1.0:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        kth = sorted_probs.gather(1, torch.tensor(top_k, device=probs.device)[:, None] - 1)
+        sorted_probs = torch.where(sorted_probs >= kth, sorted_probs, 0.0)
+        # Keep the smallest head whose mass reaches top_p: drop a token once the mass before it
+        # does.
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        nucleus = column(top_p)
+        dropped = (mass_before >= nucleus * sorted_probs.sum(-1, keepdim=True)) & (nucleus < 1.0)
+        sorted_probs = torch.where(dropped, 0.0, sorted_probs)
+        probs = torch.zeros_like(probs).scatter(1, order, sorted_probs)
+    min_p = column([s.min_p for s in sampling])
+    return torch.where(probs >= min_p * probs.max(-1, keepdim=True).values, probs, 0.0)

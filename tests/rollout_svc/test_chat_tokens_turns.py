@@ -122,3 +122,32 @@ def test_calls_out_of_order_and_bad_messages_are_refused():
     with pytest.raises(InvalidArgumentError, match=r"got \[\]"):
         tokens.append_messages([])
     assert tokens.append_messages([{"role": "user", "content": "Bye"}])
+
+
+def test_a_prompt_is_rendered_once_for_the_conversations_that_share_it(monkeypatch):
+    renderer = Renderer(CASES_BY_ID["qwen2.5-instruct"], "qwen2.5")
+    renders = []
+    render = ConversationTokens._render
+
+    def counted(self, messages, add_generation_prompt):
+        renders.append(messages)
+        return render(self, messages, add_generation_prompt)
+
+    monkeypatch.setattr(ConversationTokens, "_render", counted)
+    prompt = [{"role": "user", "content": "What is 6 x 7?"}]
+    first = renderer.conversation_tokens().prompt_ids(prompt)
+    # The prompt, and the base with and without the generation prompt unless an earlier test
+    # of this tokenizer rendered them.
+    assert renders[0] == prompt and len(renders) <= 3
+    rendered = len(renders)
+    first.append(-1)  # a caller's copy: changing it changes nothing remembered
+    group = [renderer.conversation_tokens().prompt_ids(prompt) for _ in range(7)]
+    assert len(renders) == rendered
+    assert group == [renderer.ids(prompt, add_generation_prompt=True)] * 7
+    other = [{"role": "user", "content": "What is 6 x 8?"}]
+    assert renderer.conversation_tokens().prompt_ids(other) == renderer.ids(other, True)
+    assert len(renders) == rendered + 1
+    # Another tokenizer, template and kwargs render for themselves.
+    thinking = Renderer(CASES_BY_ID["qwen3-nothink"], "qwen3").conversation_tokens()
+    thinking.prompt_ids(prompt)
+    assert renders[rendered + 1] == prompt

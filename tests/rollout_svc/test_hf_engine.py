@@ -13,9 +13,9 @@ from pydantic import ValidationError
 from transformers import Qwen3ForCausalLM
 
 from rollout_svc.config import RolloutConfig
-from rollout_svc.engines import hf_compute
 from rollout_svc.engines.base import FinishReason, SamplingParams
 from rollout_svc.engines.hf import HfEngine
+from rollout_svc.engines.hf_compute import Request, RunningBatch, next_tokens
 from tests.rollout_svc.hf_engine_fixtures import (
     LONG_TOKENS,
     MAX_MODEL_LEN,
@@ -240,14 +240,16 @@ async def test_close_aborts_pending_requests(model_dir: Path) -> None:
 async def test_a_request_that_cannot_be_sampled_fails_alone(
     engine: HfEngine, reference: Qwen3ForCausalLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    next_token = hf_compute._next_token
+    decode = RunningBatch.decode
 
-    def nan_for_the_victim(logits, request):
-        if request.request_id == "victim" and len(request.output_ids) == 2:
-            logits = torch.full_like(logits, math.nan)
-        return next_token(logits, request)
+    def nan_for_the_victim(batch):
+        logits = decode(batch)
+        for row, request in enumerate(batch.requests):
+            if request.request_id == "victim" and len(request.output_ids) == 2:
+                logits[row] = math.nan
+        return logits
 
-    monkeypatch.setattr(hf_compute, "_next_token", nan_for_the_victim)
+    monkeypatch.setattr(RunningBatch, "decode", nan_for_the_victim)
     prompts = [random_ids(6, seed=11), random_ids(9, seed=12)]
     victim, mate = await asyncio.gather(
         engine.generate(prompts[0], greedy(5), "victim"),
@@ -287,3 +289,46 @@ def test_model_and_context_are_rollout_settings_only(key: str) -> None:
     option repeating one is refused when the config loads, naming the setting to use."""
     with pytest.raises(ValidationError, match=rf"\['{key}'\].*set rollout\.{key} instead"):
         RolloutConfig(engine_options={key: 2048})
+
+
+def test_batched_sampling_draws_each_row_from_its_own_filtered_distribution() -> None:
+    # One batch mixing a greedy row with sampled rows of different temperatures and filters:
+    # each row's empirical frequencies follow its own distribution.
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05]))
+    settings = [
+        SamplingParams(max_new_tokens=1, temperature=0.0),
+        SamplingParams(max_new_tokens=1),
+        SamplingParams(max_new_tokens=1, top_k=2),
+        SamplingParams(max_new_tokens=1, top_p=0.8),
+        SamplingParams(max_new_tokens=1, temperature=2.0, min_p=0.5),
+    ]
+    expected = [
+        [1.0, 0, 0, 0, 0],
+        [0.4, 0.3, 0.15, 0.1, 0.05],
+        [0.4 / 0.7, 0.3 / 0.7, 0, 0, 0],
+        [0.4 / 0.85, 0.3 / 0.85, 0.15 / 0.85, 0, 0],  # the head that first reaches 0.8
+    ]
+    tempered = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05]).sqrt()
+    kept = torch.where(tempered >= 0.5 * tempered.max(), tempered, 0.0)
+    expected.append((kept / kept.sum()).tolist())
+    requests = [
+        Request(
+            request_id=str(row),
+            session_id="",
+            sampling=s,
+            stop_token_ids=frozenset(),
+            token_ids=[0],
+            prompt_len=1,
+            future=None,
+            loop=None,
+            generator=None if s.temperature == 0 else torch.Generator().manual_seed(row),
+        )
+        for row, s in enumerate(settings)
+    ]
+    draws = 4000
+    counts = torch.zeros(len(settings), 5)
+    for _ in range(draws):
+        tokens, failed = next_tokens(logits.expand(len(settings), -1).clone(), requests)
+        assert not failed
+        counts[torch.arange(len(settings)), tokens] += 1
+    torch.testing.assert_close(counts / draws, torch.tensor(expected), atol=0.03, rtol=0)

@@ -6,7 +6,8 @@
 Rank r trains on rows r, r + 2, ... of `fixed_batch()`: the whole batch's logprobs before
 training (each rank forwards its own rows), the first step's gradients, the weights after 3
 steps, its weights after loading CHECKPOINT_FILE (written by one process after 2 steps) and
-stepping once more, and a bf16 step with activation checkpointing, all go into
+stepping once more, a bf16 step with activation checkpointing, and the logprobs, first
+gradients and metrics of `grouped_batch()` (prefixes computed once per group), all go into
 OUT_DIR/rank0.pt (rank 0); the model after 3 steps is also exported to OUT_DIR/hf.
 """
 
@@ -32,6 +33,36 @@ def fixed_batch() -> Batch:
     loss_masks = [[i >= n // 3 for i in range(n)] for n in lengths]
     advantages = [[float(torch.randn(1, generator=generator))] * n for n in lengths]
     return Batch.from_sequences(token_ids, loss_masks, {"advantages": advantages}, pad_token_id=0)
+
+
+def grouped_batch() -> Batch:
+    """GRPO-like rows: three prompts (9, 5 and 12 random tokens) of three samples each, whose
+    responses of 1 to 8 tokens are the loss; the first prompt's samples all begin with the same
+    two tokens. Then a group of one, and a group whose rows differ from their first token."""
+    generator = torch.Generator().manual_seed(1)
+
+    def tokens(count: int) -> list[int]:
+        return torch.randint(256, (count,), generator=generator).tolist()
+
+    token_ids, loss_masks, groups = [], [], []
+    for group, (prompt_length, response_lengths) in enumerate(
+        [(9, [3, 8, 5]), (5, [1, 6, 2]), (12, [4, 4, 7]), (6, [5])]
+    ):
+        prompt = tokens(prompt_length)
+        opening = tokens(2)
+        for response_length in response_lengths:
+            response = tokens(response_length)
+            if group == 0:
+                response[:2] = opening
+            token_ids.append(prompt + response)
+            loss_masks.append([False] * prompt_length + [True] * response_length)
+            groups.append(group)
+    for length in (7, 4):
+        token_ids.append(tokens(length))
+        loss_masks.append([False] + [True] * (length - 1))
+        groups.append(4)
+    advantages = [[float(torch.randn(1, generator=generator))] * len(row) for row in token_ids]
+    return Batch.from_sequences(token_ids, loss_masks, {"advantages": advantages}, groups=groups)
 
 
 def rank_rows(batch: Batch, rank: int, world_size: int) -> Batch:
@@ -81,6 +112,11 @@ def main(model_dir: str, checkpoint_file: str, out_dir: str) -> None:
         update={"dtype": "bfloat16", "activation_checkpointing": True}
     )
     bf16_metrics = FsdpPolicy(model_dir, bf16_settings).train_step(rows, token_mean_loss)
+    grouped = FsdpPolicy(model_dir, SETTINGS)
+    grouped_logprobs, _ = grouped.logprobs(grouped_batch())
+    grouped_gradients = step_gradients(grouped)
+    grouped_rows = rank_rows(grouped_batch(), grouped.rank, grouped.world_size)
+    grouped_metrics = grouped.train_step(grouped_rows, token_mean_loss)
     if policy.rank == 0:
         torch.save(
             {
@@ -92,6 +128,9 @@ def main(model_dir: str, checkpoint_file: str, out_dir: str) -> None:
                 "resumed_metrics": resumed_metrics,
                 "resumed": resumed,
                 "bf16_metrics": bf16_metrics,
+                "grouped_logprobs": grouped_logprobs,
+                "grouped_gradients": grouped_gradients,
+                "grouped_metrics": grouped_metrics,
             },
             Path(out_dir) / "rank0.pt",
         )

@@ -15,6 +15,7 @@ from tests.trainer_svc.fsdp_worker import (
     SETTINGS,
     STEPS,
     fixed_batch,
+    grouped_batch,
     step_gradients,
     token_mean_loss,
 )
@@ -114,6 +115,10 @@ def test_two_rank_fsdp_equals_one_process(model_dir, tmp_path):
     torch.save(single.state_dict_for_checkpoint(), tmp_path / "step2.pt")
     single_metrics.append(single.train_step(batch, token_mean_loss))
     single_trained = single.full_state_dict()
+    grouped = policy(model_dir)
+    grouped_logprobs, _ = grouped.logprobs(grouped_batch())
+    grouped_gradients = step_gradients(grouped)
+    grouped_metrics = grouped.train_step(grouped_batch(), token_mean_loss)
 
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -143,6 +148,11 @@ def test_two_rank_fsdp_equals_one_process(model_dir, tmp_path):
                                   [*single_metrics, single_metrics[-1]], strict=True):  # fmt: skip
         assert two_rank == pytest.approx(one_rank, abs=1e-5)
     assert all(math.isfinite(value) for value in ranks["bf16_metrics"].values())
+    # Each rank's share of a group computes the group's prefix once, in two forwards per
+    # micro-batch (FSDP gathers the parameters for each).
+    torch.testing.assert_close(ranks["grouped_logprobs"], grouped_logprobs, atol=1e-6, rtol=0)
+    assert max_difference(ranks["grouped_gradients"], grouped_gradients) <= 1e-7
+    assert ranks["grouped_metrics"] == pytest.approx(grouped_metrics, abs=1e-5)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     assert max_difference(exported.state_dict(), ranks["trained"]) == 0
 

@@ -1,0 +1,89 @@
+"""Forward passes that compute each group's shared prefix once equal one forward over whole rows."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.trainer_svc.fsdp_worker import SETTINGS, grouped_batch, step_gradients, token_mean_loss
+from trainer_svc.forward import prefix_units, shared_prefix_logprobs, whole_row_logprobs
+from trainer_svc.fsdp import FsdpPolicy, shared_prefix_micro_batch_rows
+
+
+def test_prefix_units_are_each_groups_common_prefix_and_leave_every_row_a_token():
+    batch = grouped_batch()
+    lengths = batch.attention_mask.sum(1)
+    units = prefix_units(batch.input_ids, lengths, batch.groups)
+    # The first group's samples share their opening two tokens as well as the 9-token prompt;
+    # the one-row group keeps its last token for the second forward; the last group's rows
+    # differ from their first token, so each is a unit of its own, of one token.
+    assert units.lengths.tolist() == [9 + 2, 5, 12, 6 + 5 - 1, 1, 1]
+    assert units.of_row.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 4, 5]
+    for row, unit in enumerate(units.of_row.tolist()):
+        length = int(units.lengths[unit])
+        first = int(units.rows[unit])
+        assert torch.equal(batch.input_ids[row, :length], batch.input_ids[first, :length])
+        assert length < int(lengths[row]) or length == 1
+
+
+def test_shared_prefix_logprobs_and_gradients_equal_a_whole_row_forward(model_dir):
+    batch = grouped_batch()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    weights = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(2))
+    results = {}
+    for name, forward in {
+        "whole": lambda: whole_row_logprobs(model, batch.input_ids, batch.attention_mask, True),
+        "shared": lambda: shared_prefix_logprobs(
+            model, batch.input_ids, batch.attention_mask, batch.groups, True
+        ),
+    }.items():
+        model.zero_grad()
+        logprobs, entropy = forward()
+        ((logprobs + entropy) * weights).sum().backward()
+        gradients = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results[name] = (logprobs.detach(), entropy.detach(), gradients)
+    (whole_logprobs, whole_entropy, whole_gradients) = results["whole"]
+    (shared_logprobs, shared_entropy, shared_gradients) = results["shared"]
+    assert whole_logprobs.abs().sum() > 1
+    torch.testing.assert_close(shared_logprobs, whole_logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared_entropy, whole_entropy, atol=1e-5, rtol=0)
+    for name, gradient in whole_gradients.items():
+        torch.testing.assert_close(shared_gradients[name], gradient, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 30, 60, 4096])
+def test_shared_prefix_micro_batches_hold_every_row_once_within_the_budget(max_tokens):
+    batch = grouped_batch()
+    lengths = batch.attention_mask.sum(1)
+    units = prefix_units(batch.input_ids, lengths, batch.groups)
+    micro_batches = shared_prefix_micro_batch_rows(lengths.tolist(), units, max_tokens)
+    assert sorted(row for rows in micro_batches for row in rows) == list(range(len(lengths)))
+    for rows in micro_batches:
+        of_row = units.of_row[rows]
+        prefixes = units.lengths[of_row]
+        remainders = (lengths[rows] - prefixes).clamp(min=1)
+        cost = len(of_row.unique()) * int(prefixes.max()) + len(rows) * int(remainders.max())
+        # Over the budget only as a single row, which nothing can split.
+        assert cost <= max_tokens or len(rows) == 1
+    # A unit that fits the budget on its own is never split.
+    for unit in range(len(units.lengths)):
+        rows = (units.of_row == unit).nonzero().squeeze(1)
+        remainder = int((lengths[rows] - units.lengths[unit]).clamp(min=1).max())
+        if int(units.lengths[unit]) + len(rows) * remainder <= max_tokens:
+            assert sum(bool(set(rows.tolist()) & set(micro)) for micro in micro_batches) == 1
+    assert (len(micro_batches) == 1) == (max_tokens == 4096)
+
+
+def test_policy_steps_on_groups_as_on_whole_rows(model_dir):
+    batch = grouped_batch()
+    shared = FsdpPolicy(model_dir, SETTINGS)
+    whole = FsdpPolicy(model_dir, SETTINGS.model_copy(update={"shared_prefix_forward": False}))
+    assert shared.shares_prefixes and not whole.shares_prefixes
+    torch.testing.assert_close(
+        shared.logprobs(batch)[0], whole.logprobs(batch)[0], atol=1e-5, rtol=0
+    )
+    shared_gradients, whole_gradients = step_gradients(shared), step_gradients(whole)
+    shared_metrics = shared.train_step(batch, token_mean_loss)
+    whole_metrics = whole.train_step(batch, token_mean_loss)
+    for name, gradient in whole_gradients.items():
+        torch.testing.assert_close(shared_gradients[name], gradient, atol=1e-6, rtol=1e-4)
+    assert shared_metrics == pytest.approx(whole_metrics, abs=1e-5)
