@@ -85,6 +85,36 @@ def prefix_units(input_ids: Tensor, row_lengths: Tensor, groups: Tensor) -> Pref
     )
 
 
+@dataclass(frozen=True)
+class PrefixLevel:
+    """One forward of `shared_prefix_logprobs`: node i computes tokens [start[i], end[i]) of
+    row `rows[i]` (none when start == end) after the KV of its node `parent[i]` in the level
+    before (the first level has no parent: start is 0)."""
+
+    rows: Tensor  # (nodes,) long
+    start: Tensor  # (nodes,) long
+    end: Tensor  # (nodes,) long
+    parent: Tensor | None  # (nodes,) long
+
+
+def prefix_levels(input_ids: Tensor, row_lengths: Tensor, groups: Tensor) -> list[PrefixLevel]:
+    """The three forwards of a grouped batch: the prefix that the groups' prefixes share (a
+    system prompt with its tool schemas) once, then each group's prefix after it, then each
+    row's own tokens (`prefix_units` at both levels; the groups' prefixes are grouped by their
+    first token, so prompts of another kind make trunks of their own)."""
+    units = prefix_units(input_ids, row_lengths, groups)
+    unit_ids = input_ids[units.rows]
+    trunks = prefix_units(unit_ids, units.lengths, unit_ids[:, 0])
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    return [
+        PrefixLevel(
+            units.rows[trunks.rows], torch.zeros_like(trunks.lengths), trunks.lengths, None
+        ),
+        PrefixLevel(units.rows, trunks.lengths[trunks.of_row], units.lengths, trunks.of_row),
+        PrefixLevel(rows, units.lengths[units.of_row], row_lengths, units.of_row),
+    ]
+
+
 def shared_prefix_logprobs(
     model: PreTrainedModel,
     input_ids: Tensor,
@@ -92,53 +122,57 @@ def shared_prefix_logprobs(
     groups: Tensor,
     with_entropy: bool,
 ) -> tuple[Tensor, Tensor | None]:
-    """`whole_row_logprobs` of the rows, in two forwards: the prefixes of `prefix_units` once
-    each, then every row's remaining tokens on its prefix's KV."""
-    row_lengths = attention_mask.sum(1)
-    units = prefix_units(input_ids, row_lengths, groups)
+    """`whole_row_logprobs` of the rows, in the forwards of `prefix_levels`, each on the KV of
+    the one before: every token is computed once per node that holds it."""
     device = input_ids.device
-    prefix_columns = torch.arange(int(units.lengths.max()), device=device)
-    prefix_mask = prefix_columns < units.lengths[:, None]
-    prefix_ids = input_ids[units.rows, : prefix_columns.numel()] * prefix_mask
+    rows, width = input_ids.shape
+    levels = prefix_levels(input_ids, attention_mask.sum(1), groups)
     cache = DynamicCache(config=model.config)
-    prefix_logits = model(
-        input_ids=prefix_ids, attention_mask=prefix_mask.long(), cache=cache, use_cache=True
-    ).logits
-    cache.batch_select_indices(units.of_row)
+    kv_mask = torch.zeros(1, 0, dtype=torch.bool, device=device)  # the KV's real columns
+    last_logits: Tensor | None = None  # per node of the level before: after its last token
+    computed = []  # per level, by node: (positions, mask of its values, [logprobs, entropy])
+    for level in levels:
+        own = level.end - level.start
+        columns = torch.arange(max(int(own.max()), 1), device=device)
+        own_mask = columns < own[:, None]
+        positions = level.start[:, None] + columns
+        ids = input_ids[level.rows].gather(1, positions.clamp(max=width - 1)) * own_mask
+        if level.parent is not None:
+            cache.batch_select_indices(level.parent)
+            kv_mask = kv_mask[level.parent]
+        kv_mask = torch.cat([kv_mask.expand(len(own), -1), own_mask], 1)
+        logits = model(
+            input_ids=ids,
+            attention_mask=kv_mask.long(),
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+        ).logits
+        # A node's first token is predicted after its parent's last (the first level's first
+        # token has no prefix: it gets 0, as in whole_row_logprobs).
+        before = logits[:, :1] if last_logits is None else last_logits[level.parent, None]
+        logprobs, entropy = token_logprobs(
+            torch.cat([before, logits], 1), F.pad(ids, (1, 0)), with_entropy
+        )
+        own_values = [logprobs[:, 1:], None if entropy is None else entropy[:, 1:]]
+        computed.append((positions, own_mask & (positions > 0), own_values))
+        own_last = logits[torch.arange(len(own), device=device), (own - 1).clamp(min=0)]
+        if last_logits is not None:  # a node without tokens of its own ends where its parent does
+            own_last = torch.where((own > 0)[:, None], own_last, last_logits[level.parent])
+        last_logits = own_last
+    # Each row's node in every level, from the last level (the rows themselves) up.
+    node_of_row = [torch.arange(rows, device=device)]
+    for level in reversed(levels[1:]):
+        node_of_row.insert(0, level.parent[node_of_row[0]])
 
-    row_prefix = units.lengths[units.of_row]
-    suffix_lengths = row_lengths - row_prefix
-    suffix_columns = torch.arange(max(int(suffix_lengths.max()), 1), device=device)
-    suffix_mask = suffix_columns < suffix_lengths[:, None]
-    positions = row_prefix[:, None] + suffix_columns
-    suffix_ids = input_ids.gather(1, positions.clamp(max=input_ids.shape[1] - 1)) * suffix_mask
-    suffix_logits = model(
-        input_ids=suffix_ids,
-        attention_mask=torch.cat([prefix_mask[units.of_row], suffix_mask], 1).long(),
-        position_ids=positions,
-        cache=cache,
-        use_cache=True,
-    ).logits
+    def placed(which: int) -> Tensor:
+        """(rows, width) values (0: logprobs, 1: entropies), each token's from its node."""
+        total = torch.zeros(rows, width, device=device)
+        for nodes, (positions, mask, values) in zip(node_of_row, computed, strict=True):
+            at = positions[nodes]
+            room = max(int(at.max()) + 1, width)
+            own = (values[which] * mask)[nodes]
+            total = total + torch.zeros(rows, room, device=device).scatter(1, at, own)[:, :width]
+        return total * attention_mask.bool()
 
-    prefix_parts = token_logprobs(prefix_logits, prefix_ids, with_entropy)
-    # A row's first own token is predicted at its prefix's last position.
-    last_prefix_logits = prefix_logits[units.of_row, row_prefix - 1]
-    suffix_parts = token_logprobs(
-        torch.cat([last_prefix_logits[:, None], suffix_logits], 1),
-        F.pad(suffix_ids, (1, 0)),
-        with_entropy,
-    )
-    width = input_ids.shape[1]
-    from_prefix = prefix_columns < row_prefix[:, None]
-
-    def placed(prefix_part: Tensor | None, suffix_part: Tensor | None) -> Tensor | None:
-        """(rows, width): the prefix's values on its columns, the row's own after them."""
-        if prefix_part is None:
-            return None
-        room = width + suffix_columns.numel()
-        head = F.pad(prefix_part[units.of_row] * from_prefix, (0, room - prefix_columns.numel()))
-        own = torch.zeros_like(head).scatter(1, positions, suffix_part[:, 1:] * suffix_mask)
-        return (head + own)[:, :width] * attention_mask.bool()
-
-    logprobs = placed(prefix_parts[0], suffix_parts[0])
-    return logprobs, placed(prefix_parts[1], suffix_parts[1])
+    return placed(0), placed(1) if with_entropy else None

@@ -54,9 +54,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer_svc.config import TrainSettings
 from trainer_svc.forward import (
-    PrefixUnits,
+    PrefixLevel,
     can_share_prefixes,
-    prefix_units,
+    prefix_levels,
     shared_prefix_logprobs,
     whole_row_logprobs,
 )
@@ -206,44 +206,60 @@ def micro_batch_rows(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
-def shared_prefix_micro_batch_rows(
-    row_lengths: list[int], units: PrefixUnits, max_tokens: int
-) -> list[list[int]]:
-    """Row indices of each micro-batch of a forward that runs each prefix of `units` once
-    (`shared_prefix_logprobs`): whole units, longest rows first, each micro-batch filled while
-    its two forwards fit in `max_tokens` (its prefixes x the longest of them, plus its rows x
-    the longest of their remainders). A unit too large for that alone is split into runs of its
-    rows that fit, each run computing the prefix again."""
-    prefix = units.lengths.tolist()
+@dataclass
+class _SharedPrefixMicroBatch:
+    """A micro-batch being filled by `shared_prefix_micro_batch_rows`."""
+
+    trunks: set[int]
+    units: int
+    rows: list[int]
+    longest: tuple[int, int, int]  # the most tokens one trunk, unit and row computes
+
+    def cost(self) -> int:
+        """Tokens of its three forwards, padding included."""
+        trunk, unit, row = self.longest
+        return len(self.trunks) * trunk + self.units * unit + len(self.rows) * row
+
+
+def shared_prefix_micro_batch_rows(levels: list[PrefixLevel], max_tokens: int) -> list[list[int]]:
+    """Row indices of each micro-batch of `shared_prefix_logprobs`, given the whole batch's
+    `prefix_levels`: whole units (a group's rows), longest first, each micro-batch filled while
+    its three forwards fit in `max_tokens` (each forward: its nodes x the most tokens one of
+    them computes). A unit too large for that alone is split into runs of its rows that fit,
+    each run computing the unit's prefix again."""
+    _, units, rows = levels
+    own = [(level.end - level.start).clamp(min=1).tolist() for level in levels]
+    trunk_of_unit = units.parent.tolist()
     unit_rows: dict[int, list[int]] = {}
-    for row, unit in enumerate(units.of_row.tolist()):
+    for row, unit in enumerate(rows.parent.tolist()):
         unit_rows.setdefault(unit, []).append(row)
-    # (prefix length, longest remainder, rows): runs of a unit's rows, longest first.
-    runs: list[tuple[int, int, list[int]]] = []
-    for unit, rows in unit_rows.items():
-
-        def remainder(row: int, unit: int = unit) -> int:
-            return max(row_lengths[row] - prefix[unit], 1)
-
-        run: list[int] = []
-        for row in sorted(rows, key=remainder, reverse=True):
-            if run and prefix[unit] + (len(run) + 1) * remainder(run[0]) > max_tokens:
-                runs.append((prefix[unit], remainder(run[0]), run))
-                run = []
-            run.append(row)
-        runs.append((prefix[unit], remainder(run[0]), run))
-    micro_batches: list[tuple[int, int, int, list[int]]] = []  # runs, longest prefix, ...
-    for prefix_length, remainder, rows in sorted(runs, key=lambda run: -sum(run[:2])):
+    runs: list[_SharedPrefixMicroBatch] = []
+    for unit, members in unit_rows.items():
+        trunk = trunk_of_unit[unit]
+        run = _SharedPrefixMicroBatch({trunk}, 1, [], (own[0][trunk], own[1][unit], 0))
+        for row in sorted(members, key=own[2].__getitem__, reverse=True):
+            longest = (*run.longest[:2], max(run.longest[2], own[2][row]))
+            grown = replace(run, rows=[*run.rows, row], longest=longest)
+            if run.rows and grown.cost() > max_tokens:
+                runs.append(run)
+                grown = replace(run, rows=[row], longest=(*run.longest[:2], own[2][row]))
+            run = grown
+        runs.append(run)
+    micro_batches: list[_SharedPrefixMicroBatch] = []
+    for run in sorted(runs, key=lambda run: -sum(run.longest)):
         if micro_batches:
-            count, longest_prefix, longest_remainder, taken = micro_batches[-1]
-            longest_prefix = max(longest_prefix, prefix_length)
-            longest_remainder = max(longest_remainder, remainder)
-            cost = (count + 1) * longest_prefix + (len(taken) + len(rows)) * longest_remainder
-            if cost <= max_tokens:
-                micro_batches[-1] = (count + 1, longest_prefix, longest_remainder, taken + rows)
+            last = micro_batches[-1]
+            merged = _SharedPrefixMicroBatch(
+                last.trunks | run.trunks,
+                last.units + run.units,
+                last.rows + run.rows,
+                tuple(map(max, last.longest, run.longest)),
+            )
+            if merged.cost() <= max_tokens:
+                micro_batches[-1] = merged
                 continue
-        micro_batches.append((1, prefix_length, remainder, rows))
-    return [rows for *_, rows in micro_batches]
+        micro_batches.append(run)
+    return [micro_batch.rows for micro_batch in micro_batches]
 
 
 class FsdpModel:
@@ -431,8 +447,8 @@ class FsdpModel:
         lengths = batch.attention_mask.sum(1)
         budget = self.settings.micro_batch_tokens
         if self.shares_prefixes and batch.groups is not None:
-            units = prefix_units(batch.input_ids, lengths, batch.groups)
-            groups = shared_prefix_micro_batch_rows(lengths.tolist(), units, budget)
+            levels = prefix_levels(batch.input_ids, lengths, batch.groups)
+            groups = shared_prefix_micro_batch_rows(levels, budget)
         else:
             groups = micro_batch_rows(lengths.tolist(), budget)
         count = len(groups)

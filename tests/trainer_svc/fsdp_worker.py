@@ -36,19 +36,22 @@ def fixed_batch() -> Batch:
 
 
 def grouped_batch() -> Batch:
-    """GRPO-like rows: three prompts (9, 5 and 12 random tokens) of three samples each, whose
-    responses of 1 to 8 tokens are the loss; the first prompt's samples all begin with the same
-    two tokens. Then a group of one, and a group whose rows differ from their first token."""
+    """GRPO-like rows: three prompts (a 6-token system prompt they share, then 9, 5 and 12
+    random tokens) of three samples each, whose responses of 1 to 8 tokens are the loss; the
+    first prompt's samples all begin with the same two tokens. Then a group of one with the
+    system prompt, and a group whose rows differ from their first token."""
     generator = torch.Generator().manual_seed(1)
 
     def tokens(count: int) -> list[int]:
         return torch.randint(256, (count,), generator=generator).tolist()
 
+    system = tokens(6)
     token_ids, loss_masks, groups = [], [], []
     for group, (prompt_length, response_lengths) in enumerate(
         [(9, [3, 8, 5]), (5, [1, 6, 2]), (12, [4, 4, 7]), (6, [5])]
     ):
-        prompt = tokens(prompt_length)
+        prompt = system + tokens(prompt_length)
+        prompt_length += len(system)
         opening = tokens(2)
         for response_length in response_lengths:
             response = tokens(response_length)

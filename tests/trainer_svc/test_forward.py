@@ -5,7 +5,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.trainer_svc.fsdp_worker import SETTINGS, grouped_batch, step_gradients, token_mean_loss
-from trainer_svc.forward import prefix_units, shared_prefix_logprobs, whole_row_logprobs
+from trainer_svc.forward import (
+    prefix_levels,
+    prefix_units,
+    shared_prefix_logprobs,
+    whole_row_logprobs,
+)
 from trainer_svc.fsdp import FsdpPolicy, shared_prefix_micro_batch_rows
 
 
@@ -16,13 +21,28 @@ def test_prefix_units_are_each_groups_common_prefix_and_leave_every_row_a_token(
     # The first group's samples share their opening two tokens as well as the 9-token prompt;
     # the one-row group keeps its last token for the second forward; the last group's rows
     # differ from their first token, so each is a unit of its own, of one token.
-    assert units.lengths.tolist() == [9 + 2, 5, 12, 6 + 5 - 1, 1, 1]
+    assert units.lengths.tolist() == [6 + 9 + 2, 6 + 5, 6 + 12, 6 + 6 + 5 - 1, 1, 1]
     assert units.of_row.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 4, 5]
     for row, unit in enumerate(units.of_row.tolist()):
         length = int(units.lengths[unit])
         first = int(units.rows[unit])
         assert torch.equal(batch.input_ids[row, :length], batch.input_ids[first, :length])
         assert length < int(lengths[row]) or length == 1
+
+
+def test_prefix_levels_compute_the_shared_system_prompt_once():
+    batch = grouped_batch()
+    trunks, units, rows = prefix_levels(batch.input_ids, batch.attention_mask.sum(1), batch.groups)
+    # The four groups with the system prompt share one trunk: its 6 tokens (the prompts
+    # after it happen to differ from their first token on); each row of the last group is
+    # a trunk of its first token.
+    assert sorted(trunks.end.tolist()) == [1, 1, 6] and trunks.start.tolist() == [0, 0, 0]
+    assert trunks.end[units.parent].tolist() == [6, 6, 6, 6, 1, 1]
+    assert len(set(units.parent.tolist())) == 3
+    assert units.start.tolist() == [6, 6, 6, 6, 1, 1]
+    assert units.end.tolist() == [6 + 9 + 2, 6 + 5, 6 + 12, 6 + 6 + 5 - 1, 1, 1]
+    assert rows.start.tolist() == [17, 17, 17, 11, 11, 11, 18, 18, 18, 16, 1, 1]
+    assert torch.equal(rows.end, batch.attention_mask.sum(1))
 
 
 def test_shared_prefix_logprobs_and_gradients_equal_a_whole_row_forward(model_dir):
@@ -50,26 +70,40 @@ def test_shared_prefix_logprobs_and_gradients_equal_a_whole_row_forward(model_di
         torch.testing.assert_close(shared_gradients[name], gradient, atol=1e-5, rtol=1e-4)
 
 
+def forward_tokens(batch, rows: list[int]) -> int:
+    """The tokens of the forwards of `rows` computed together, padding included."""
+    lengths = batch.attention_mask.sum(1)[rows]
+    levels = prefix_levels(batch.input_ids[rows], lengths, batch.groups[rows])
+    return sum(
+        len(level.end) * int((level.end - level.start).max().clamp(min=1)) for level in levels
+    )
+
+
 @pytest.mark.parametrize("max_tokens", [1, 30, 60, 4096])
 def test_shared_prefix_micro_batches_hold_every_row_once_within_the_budget(max_tokens):
     batch = grouped_batch()
     lengths = batch.attention_mask.sum(1)
-    units = prefix_units(batch.input_ids, lengths, batch.groups)
-    micro_batches = shared_prefix_micro_batch_rows(lengths.tolist(), units, max_tokens)
+    micro_batches = shared_prefix_micro_batch_rows(
+        prefix_levels(batch.input_ids, lengths, batch.groups), max_tokens
+    )
     assert sorted(row for rows in micro_batches for row in rows) == list(range(len(lengths)))
     for rows in micro_batches:
-        of_row = units.of_row[rows]
-        prefixes = units.lengths[of_row]
-        remainders = (lengths[rows] - prefixes).clamp(min=1)
-        cost = len(of_row.unique()) * int(prefixes.max()) + len(rows) * int(remainders.max())
+        # The forwards' tokens of the micro-batch as it is computed, padding included.
+        levels = prefix_levels(batch.input_ids[rows], lengths[rows], batch.groups[rows])
+        cost = sum(
+            len(level.end) * int((level.end - level.start).max().clamp(min=1)) for level in levels
+        )
         # Over the budget only as a single row, which nothing can split.
         assert cost <= max_tokens or len(rows) == 1
-    # A unit that fits the budget on its own is never split.
-    for unit in range(len(units.lengths)):
-        rows = (units.of_row == unit).nonzero().squeeze(1)
-        remainder = int((lengths[rows] - units.lengths[unit]).clamp(min=1).max())
-        if int(units.lengths[unit]) + len(rows) * remainder <= max_tokens:
-            assert sum(bool(set(rows.tolist()) & set(micro)) for micro in micro_batches) == 1
+    # A group whose rows fit the budget together is never split.
+    for group in batch.groups.unique():
+        rows = (batch.groups == group).nonzero().squeeze(1).tolist()
+        levels = prefix_levels(batch.input_ids[rows], lengths[rows], batch.groups[rows])
+        cost = sum(
+            len(level.end) * int((level.end - level.start).max().clamp(min=1)) for level in levels
+        )
+        if cost <= max_tokens:
+            assert sum(bool(set(rows) & set(micro)) for micro in micro_batches) == 1
     assert (len(micro_batches) == 1) == (max_tokens == 4096)
 
 
