@@ -33,6 +33,7 @@ The last line printed is one JSON object with the headline figures: `ratio_singl
 """
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -144,6 +145,9 @@ def summary(
         "generated_tokens_per_step": statistics.mean(generated[kept]),
         "trained_tokens_per_step": statistics.mean(trained[kept]),
         "peak_rss_gib": peak_rss / 2**30,
+        "s_per_step": step_seconds,
+        "rollout_s_per_step": rollout_seconds,
+        "train_s_per_step": train_seconds,
         "reward_per_step": rewards,
     }
 
@@ -196,7 +200,7 @@ def run_turnrl(task: str, args: argparse.Namespace, folder: Path) -> dict[str, A
     steps = [r for r in records if "train/loss" in r]
     ends = [started] + [r["time"] for r in steps]
     return summary(
-        step_seconds=[b - a for a, b in zip(ends, ends[1:], strict=False)],
+        step_seconds=[b - a for a, b in itertools.pairwise(ends)],
         rollout_seconds=[r["time/rollout"] for r in steps],
         generated=[r["rollout/tokens_per_s"] * r["time/rollout"] for r in steps],
         train_seconds=[r["time/train"] for r in steps],
@@ -339,7 +343,7 @@ def trl_child(task: str, args: argparse.Namespace) -> None:
         callbacks=[StepClock()],
     )
     trainer.train()
-    step_seconds = [b - a for a, b in zip(step_ends, step_ends[1:], strict=False)]
+    step_seconds = [b - a for a, b in itertools.pairwise(step_ends)]
     train_seconds = [s - r for s, r in zip(step_seconds, timings["rollout_seconds"], strict=True)]
     Path(args.result).write_text(
         json.dumps(

@@ -225,8 +225,9 @@ def shared_prefix_micro_batch_rows(levels: list[PrefixLevel], max_tokens: int) -
     """Row indices of each micro-batch of `shared_prefix_logprobs`, given the whole batch's
     `prefix_levels`: whole units (a group's rows), longest first, each micro-batch filled while
     its three forwards fit in `max_tokens` (each forward: its nodes x the most tokens one of
-    them computes). A unit too large for that alone is split into runs of its rows that fit,
-    each run computing the unit's prefix again."""
+    them computes). A unit's rows go in runs of rows of like length that fit, each run
+    computing the unit's prefix again: a unit too large alone, or whose rows differ in length by
+    more than its prefix, is split."""
     _, units, rows = levels
     own = [(level.end - level.start).clamp(min=1).tolist() for level in levels]
     trunk_of_unit = units.parent.tolist()
@@ -240,7 +241,10 @@ def shared_prefix_micro_batch_rows(levels: list[PrefixLevel], max_tokens: int) -
         for row in sorted(members, key=own[2].__getitem__, reverse=True):
             longest = (*run.longest[:2], max(run.longest[2], own[2][row]))
             grown = replace(run, rows=[*run.rows, row], longest=longest)
-            if run.rows and grown.cost() > max_tokens:
+            # A row much shorter than the run's longest starts a run of its own where padding
+            # it would cost more than computing the unit's prefix again.
+            padding = run.longest[2] - own[2][row]
+            if run.rows and (grown.cost() > max_tokens or padding > run.longest[1]):
                 runs.append(run)
                 grown = replace(run, rows=[row], longest=(*run.longest[:2], own[2][row]))
             run = grown

@@ -48,6 +48,7 @@ about 7 ms with ten tool schemas and a 2 KB tool result), so async callers run i
 `asyncio.to_thread`. One instance per trajectory; not thread-safe.
 """
 
+import functools
 import hashlib
 import inspect
 import itertools
@@ -104,10 +105,7 @@ class ConversationTokens:
         chat_template_kwargs: dict | None = None,
         stop_token_ids: Iterable[int] | None = None,
     ):
-        if (
-            "sanitize_control_tokens"
-            not in inspect.signature(tokenizer.apply_chat_template).parameters
-        ):
+        if not _sanitizes_control_tokens(type(tokenizer)):
             raise FailedPreconditionError(
                 f"{type(tokenizer).__name__}.apply_chat_template has no sanitize_control_tokens; "
                 "token-exact conversations need transformers>=5.24"
@@ -321,6 +319,14 @@ class ConversationTokens:
             return f"the chat template of {self._tokenizer.name_or_path!r}"
         digest = hashlib.sha256(self._chat_template.encode()).hexdigest()[:12]
         return f"chat template sha256:{digest}"
+
+
+@functools.cache
+def _sanitizes_control_tokens(tokenizer_type: type) -> bool:
+    """Whether the tokenizer class's apply_chat_template takes sanitize_control_tokens (once
+    per class: a signature costs more than a short render)."""
+    parameters = inspect.signature(tokenizer_type.apply_chat_template).parameters
+    return "sanitize_control_tokens" in parameters
 
 
 def _require_unicode(messages: list[dict]) -> None:

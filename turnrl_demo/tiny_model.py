@@ -133,7 +133,11 @@ def _cache_key(
         {
             "format_version": FORMAT_VERSION,
             "seed": seed,
-            "settings": settings.model_dump(mode="json"),
+            # shared_prefix_forward shapes the forwards of RL groups only (an SFT batch has
+            # none), so it leaves the build, and the shipped folders' names, as they were.
+            "settings": settings.model_dump(
+                mode="json", exclude={"optim": {"shared_prefix_forward"}}
+            ),
             "chat_template_sha256": _sha256(chat_template),
             "conversations_sha256": _sha256(json.dumps(conversations, sort_keys=True)),
         },

@@ -242,10 +242,12 @@ class ModelRunner:
         ]
 
     def _share_prompt_prefix(self, requests: list[Request]) -> None:
-        """Computes once, in a forward of its own, the prefix that the prompts of the requests
-        without reused KV all share (a system prompt), and hands each its KV as if cached: a
-        prefix's KV is the same whoever computes it (up to float rounding). A prefix shorter
-        than MIN_SHARED_PREFIX_TOKENS is left to the batched forward."""
+        """Computes once what the prompts of the requests without reused KV share, and hands
+        each its KV as if cached (a prefix's KV is the same whoever computes it, up to float
+        rounding): first the prefix they all share (a system prompt) when it is at least
+        MIN_SHARED_PREFIX_TOKENS long, in a forward of its own; then the prompt of each group
+        of requests with the same prompt (a GRPO group's samples) but its last token, one row
+        per group of a second forward."""
         fresh = [request for request in requests if request.kv_len == 0]
         if len(fresh) < 2:
             return
@@ -253,13 +255,31 @@ class ModelRunner:
             _common_prefix_len([request.token_ids for request in fresh]),
             *(len(request.token_ids) - 1 for request in fresh),
         )
-        if shared < MIN_SHARED_PREFIX_TOKENS:
-            return
-        (kv,) = self._prefill_forward([None], [fresh[0].token_ids[:shared]])
-        self.counters["prefill_tokens"] += shared
+        if shared >= MIN_SHARED_PREFIX_TOKENS:
+            (kv,) = self._prefill_forward([None], [fresh[0].token_ids[:shared]])
+            self.counters["prefill_tokens"] += shared
+            for request in fresh:
+                request.reused_kv = kv
+                request.kv_len = request.cached_prompt_tokens = shared
+        same_prompt: dict[tuple[int, ...], list[Request]] = {}
         for request in fresh:
-            request.reused_kv = kv
-            request.kv_len = request.cached_prompt_tokens = shared
+            same_prompt.setdefault(tuple(request.token_ids), []).append(request)
+        groups = [
+            group
+            for group in same_prompt.values()
+            if len(group) > 1 and group[0].kv_len < len(group[0].token_ids) - 1
+        ]
+        if not groups:
+            return
+        kvs = self._prefill_forward(
+            [group[0].reused_kv for group in groups],
+            [group[0].token_ids[group[0].kv_len : -1] for group in groups],
+        )
+        for group, kv in zip(groups, kvs, strict=True):
+            self.counters["prefill_tokens"] += len(group[0].token_ids) - 1 - group[0].kv_len
+            for request in group:
+                request.reused_kv = kv
+                request.kv_len = request.cached_prompt_tokens = len(request.token_ids) - 1
 
     def sample(self, requests: list[Request], logits: torch.Tensor) -> dict[int, Exception]:
         """Appends one token per request (row of `logits`) with its logprob under the raw

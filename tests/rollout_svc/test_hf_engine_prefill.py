@@ -88,6 +88,37 @@ async def test_prompts_admitted_together_compute_their_shared_prefix_once(
         assert_logprobs_match(reference, prompt, batched)
 
 
+async def test_samples_of_one_prompt_compute_it_once(
+    engine: HfEngine, reference: Qwen3ForCausalLM
+) -> None:
+    # Two GRPO groups of three samples after a shared system prompt, and a prompt of its own.
+    system = random_ids(40, seed=57)
+    questions = [random_ids(n, seed=58 + n) for n in (6, 11)]
+    prompts = [[*system, *q] for q in questions for _ in range(3)]
+    prompts.append([*system, *random_ids(9, seed=70)])
+    sampling = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=i) for i in range(7)]
+    requests = list(enumerate(zip(prompts, sampling, strict=True)))
+    alone = [await engine.generate(p, s, f"alone{i}") for i, (p, s) in requests]
+    prefill_tokens = engine.stats()["prefill_tokens"]
+    together, forwards = await prefilled_together(
+        engine,
+        [engine.generate(p, s, f"together{i}") for i, (p, s) in requests],
+    )
+    # The system prompt; each group's question but its last token, once; then the six samples'
+    # last tokens and the lone prompt's question.
+    assert forwards == 3
+    computed = engine.stats()["prefill_tokens"] - prefill_tokens
+    assert computed == len(system) + sum(len(q) - 1 for q in questions) + 6 + 9
+    for index, (prompt, one, batched) in enumerate(zip(prompts, alone, together, strict=True)):
+        grouped = index < 6
+        cached = len(prompt) - 1 if grouped else len(system)
+        assert batched.metrics["cached_prompt_tokens"] == cached
+        assert batched.metrics["computed_prompt_tokens"] == len(prompt) - cached
+        assert batched.output_ids == one.output_ids
+        assert batched.logprobs == pytest.approx(one.logprobs, abs=LOGPROB_TOLERANCE)
+        assert_logprobs_match(reference, prompt, batched)
+
+
 async def test_resumed_sessions_prefill_together_with_fresh_requests(
     engine: HfEngine, reference: Qwen3ForCausalLM
 ) -> None:
