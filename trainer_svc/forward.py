@@ -3,12 +3,14 @@ causal LM, over whole rows, or with each group's shared prefix computed once.
 
 GRPO samples several responses to one prompt, and the prompt (a system prompt with tool
 schemas, then the question) is often most of each row's tokens. With the rows' groups known
-(`Batch.groups`: the rows of one prompt), `shared_prefix_logprobs` runs the longest common
-prefix of each group's rows once, as one row of a first forward that keeps its KV cache, then
-every row's remaining tokens in a second forward over its group's KV, indexed out to the rows.
-Causal attention makes a token's output depend on its prefix only, so the results equal one
-forward over the whole rows, to float rounding; gradients from all the rows of a group add up
-in its one prefix. A group's samples that begin alike share those tokens too.
+(`Batch.groups`: the rows of one prompt), `shared_prefix_logprobs` runs three forwards, each
+continuing the KV cache of the one before, indexed out to its nodes: the prefix that the groups'
+prompts share (the system prompt) once, then each group's longest common prefix once, then
+every row's own tokens. Causal attention makes a token's output depend on its prefix only, so
+the results equal one forward over the whole rows, to float rounding; gradients from all the
+rows of a group add up in its one prefix. A group's samples that begin alike share those
+tokens too. The number of forwards is fixed, whatever the data, so that FSDP's ranks gather
+their parameters the same number of times.
 """
 
 from dataclasses import dataclass
@@ -63,8 +65,8 @@ class PrefixUnits:
 
 def prefix_units(input_ids: Tensor, row_lengths: Tensor, groups: Tensor) -> PrefixUnits:
     """Each group's longest common prefix, at most its shortest row less one token (so that
-    every row but a one-token one has a token left for the second forward). A group whose rows
-    differ from the first token on is one unit per row, each its row's first token."""
+    every row but a one-token one has a token left for the forward after it). A group whose
+    rows differ from the first token on is one unit per row, each its row's first token."""
     units: list[tuple[list[int], int]] = []
     for group in groups.unique().tolist():
         rows = (groups == group).nonzero().squeeze(1)
