@@ -67,7 +67,9 @@ class HfEngineOptions(StrictModel):
         ge=1,
         description="Requests decoded together; more wait in a queue. One decode step costs "
         "little more for 128 rows than for 8 on a small model, so a GRPO step's requests "
-        "(16 prompts x 8 samples) all decode together (benchmarks/vs_trl.py).",
+        "(16 prompts x 8 samples) all decode together (benchmarks/vs_trl.py). The running "
+        "batch's KV buffer has this many rows, each as wide as the widest running request "
+        "(at most max_model_len): lower it for a large model with a long context.",
     )
     max_prefill_tokens: int = Field(
         default=8192,
