@@ -48,15 +48,16 @@ class TrainSettings(StrictModel):
         4096,
         gt=0,
         description="Token budget of one micro-batch: rows x its longest row; with "
-        "shared_prefix_forward, its groups' prefixes x the longest of them plus rows x the "
-        "longest of their remainders.",
+        "shared_prefix_forward, the tokens of its three forwards, padding included (each: "
+        "its prefixes or rows x the most tokens one of them computes).",
     )
     shared_prefix_forward: bool = Field(
         True,
-        description="The policy's forward passes compute the prefix that a group's samples "
-        "share (their prompt) once, then each sample's own tokens on its KV: the same "
-        "logprobs and gradients with far fewer tokens computed. Off, or for a model with "
-        "sliding-window or linear attention layers: one forward over whole rows.",
+        description="The policy's forward passes compute the prefix that all the prompts "
+        "share (a system prompt) once, then each group's prompt once, then each sample's own "
+        "tokens, each on the KV of the one before: the same logprobs and gradients with far "
+        "fewer tokens computed. Off, or for a model with sliding-window or linear attention "
+        "layers: one forward over whole rows.",
     )
 
     def for_run(self, optimizer_steps: int) -> "TrainSettings":

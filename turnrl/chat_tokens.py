@@ -324,7 +324,7 @@ class ConversationTokens:
 @functools.cache
 def _sanitizes_control_tokens(tokenizer_type: type) -> bool:
     """Whether the tokenizer class's apply_chat_template takes sanitize_control_tokens (once
-    per class: a signature costs more than a short render)."""
+    per class: a signature costs about what a short render does)."""
     parameters = inspect.signature(tokenizer_type.apply_chat_template).parameters
     return "sanitize_control_tokens" in parameters
 

@@ -393,9 +393,10 @@ def next_tokens(
         # A draw rounded up to the total mass lands past the end: the likeliest token then.
         drawn = torch.where(drawn[:, 0] < probs.shape[1], drawn[:, 0], probs.argmax(-1))
         tokens[index] = drawn
-        for position, row in enumerate(sampled):
-            total = cdf[position, -1]
-            if row not in failed and not (total.isfinite() and total > 0):
+        totals = cdf[:, -1]
+        for position in (~(totals.isfinite() & (totals > 0))).nonzero()[:, 0].tolist():
+            row = sampled[position]
+            if row not in failed:
                 failed[row] = FailedPreconditionError(
                     f"request {requests[row].request_id!r}: no token left to sample (every "
                     "logit is -inf?)"

@@ -332,3 +332,28 @@ def test_batched_sampling_draws_each_row_from_its_own_filtered_distribution() ->
         assert not failed
         counts[torch.arange(len(settings)), tokens] += 1
     torch.testing.assert_close(counts / draws, torch.tensor(expected), atol=0.03, rtol=0)
+
+
+def test_a_row_with_nothing_to_sample_fails_alone() -> None:
+    logits = torch.zeros(3, 4)
+    logits[1] = -math.inf  # every token filtered out
+    logits[2, 0] = math.nan
+    requests = [
+        Request(
+            request_id=str(row),
+            session_id="",
+            sampling=SamplingParams(max_new_tokens=1),
+            stop_token_ids=frozenset(),
+            token_ids=[0],
+            prompt_len=1,
+            future=None,
+            loop=None,
+            generator=torch.Generator().manual_seed(row),
+        )
+        for row in range(3)
+    ]
+    tokens, failed = next_tokens(logits, requests)
+    assert sorted(failed) == [1, 2]
+    assert "no token left to sample" in str(failed[1])
+    assert "logits are NaN" in str(failed[2])
+    assert 0 <= int(tokens[0]) < 4
