@@ -115,14 +115,19 @@ class Batch:
                 )
         if not token_ids or min(map(len, token_ids)) == 0:
             raise ValueError("a batch needs at least one row and no empty row")
-        width = max(map(len, token_ids))
+        lengths = torch.tensor([len(row) for row in token_ids])
+        width = int(lengths.max())
 
         def padded(rows: list[list[Any]], value: Any, dtype: torch.dtype) -> Tensor:
-            return torch.tensor([row + [value] * (width - len(row)) for row in rows], dtype=dtype)
+            # Row by row into a filled tensor: one nested list of the whole batch is slower.
+            tensor = torch.full((len(rows), width), value, dtype=dtype)
+            for index, row in enumerate(rows):
+                tensor[index, : len(row)] = torch.tensor(row, dtype=dtype)
+            return tensor
 
         return cls(
             input_ids=padded(token_ids, pad_token_id, torch.long),
-            attention_mask=padded([[1] * len(row) for row in token_ids], 0, torch.long),
+            attention_mask=(torch.arange(width)[None, :] < lengths[:, None]).long(),
             loss_mask=padded(loss_masks, False, torch.bool),
             extras={name: padded(rows, 0.0, torch.float32) for name, rows in extras.items()},
             groups=None if groups is None else torch.tensor(groups, dtype=torch.long),

@@ -138,6 +138,9 @@ class BatchKv:
             return
         columns = min(max(2 * (width + new_columns), MIN_BUFFER_COLUMNS), self._max_columns)
         columns = max(columns, width + new_columns)
+        # Half the spare columns go before the rows' end: a returning turn's request, longer than
+        # every running one, then joins without another copy of the whole batch.
+        end = width + (columns - width - new_columns) // 2
         fresh = []
         for index, (keys, values) in enumerate(self._layout):
             buffers = [
@@ -145,10 +148,10 @@ class BatchKv:
                 for tensor in (keys, values)
             ]
             if layers:
-                buffers[0][: self.rows, :, width - old_width : width] = layers[index].keys
-                buffers[1][: self.rows, :, width - old_width : width] = layers[index].values
+                buffers[0][: self.rows, :, end - old_width : end] = layers[index].keys
+                buffers[1][: self.rows, :, end - old_width : end] = layers[index].values
             fresh.append(BatchKvLayer(*buffers))
-            fresh[-1].set_view(self.rows, width - old_width, width)
+            fresh[-1].set_view(self.rows, end - width, end)
         self.cache = Cache(layers=fresh)
 
     def append(self, rows: list[Kv | None]) -> None:

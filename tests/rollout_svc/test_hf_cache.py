@@ -86,3 +86,26 @@ def test_rows_keep_their_kv_through_joins_leaves_steps_and_growth() -> None:
     assert batch.width == 0
     batch.clear()
     assert (batch.rows, batch.nbytes()) == (0, 0)
+
+
+def test_a_row_longer_than_the_running_ones_joins_into_the_spare_columns() -> None:
+    batch = BatchKv(random_kv(1, seed=0), max_rows=4, max_columns=4 * MIN_BUFFER_COLUMNS)
+    rows: list[Kv | None] = [random_kv(8, seed=1)]
+    batch.append(rows)
+    buffers = [layer.keys_buffer for layer in batch.cache.layers]
+    spare = buffers[0].shape[-2] - batch.width
+
+    # Half the spare columns lie before the rows' end: a row that much longer joins in place.
+    rows.append(random_kv(batch.width + spare // 2, seed=2))
+    batch.append([rows[-1]])
+    layers = batch.cache.layers
+    assert all(layer.keys_buffer is buffer for layer, buffer in zip(layers, buffers, strict=True))
+    assert_rows(batch, rows)
+    rows = [joined(kv, column) for kv, column in zip(rows, step(batch, seed=3), strict=True)]
+    assert_rows(batch, rows)
+
+    # One longer still takes new buffers, the rows moved into them whole.
+    rows.append(random_kv(batch.width + 1, seed=4))
+    batch.append([rows[-1]])
+    assert batch.cache.layers[0].keys_buffer is not buffers[0]
+    assert_rows(batch, rows)
