@@ -293,17 +293,7 @@ class _Run:
             self.finish(FinishReason.ABORTED if aborted else self._length_reason())
             return ParsedTurn(content="", tool_calls=[], errors=[])
         parsed = self.loop.parser(text)
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-        if parsed.tool_calls:
-            message["tool_calls"] = [
-                {
-                    "id": call.id,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": call.arguments},
-                }
-                for call in parsed.tool_calls
-            ]
-        self._append_model_message(output.output_ids, message)
+        self._append_model_message(output.output_ids, parsed.assistant_message())
         return parsed
 
     def _append_model_message(self, output_ids: list[int], message: dict[str, Any]) -> None:

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from turnrl.messages import openai_tool_call
+
 MAX_ERROR_TEXT_CHARS = 200
 # How much text before a stray `</tool_call>` its error message quotes.
 STRAY_CLOSER_CONTEXT_CHARS = 150
@@ -51,6 +53,15 @@ class ParsedTurn:
     tool_calls: list[ParsedToolCall] = field(default_factory=list)
     # One message per malformed call: what was wrong and the offending text (clipped).
     errors: list[str] = field(default_factory=list)
+
+    def assistant_message(self) -> dict[str, Any]:
+        """The OpenAI assistant message that stands for the turn in the conversation."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                openai_tool_call(call.id, call.name, call.arguments) for call in self.tool_calls
+            ]
+        return message
 
 
 def _reject_constant(name: str) -> None:

@@ -1,7 +1,7 @@
 """Rebuilds the tiny models that ship in `turnrl_demo/models/`: the default settings' (the
-tests' model) and `examples/calculator/config.yaml`'s `tiny_model` (the demo's), and removes
-shipped folders neither names any more. Run it after a change to what a build reads (the
-settings, the calculator data, the chat template, the builder), then commit the folders:
+tests' model) and the `tiny_model` of each CPU example (calculator, search, code), and removes
+shipped folders none names any more. Run it after a change to what a build reads (the settings,
+the tasks' data, the chat template, the builder), then commit the folders:
 
     .venv/bin/python scripts/ship_tiny_models.py
 """
@@ -14,12 +14,15 @@ from turnrl_cli.project_config import load_project_config
 from turnrl_demo.settings import TinyModelSettings
 from turnrl_demo.tiny_model import SHIPPED_MODELS_DIR, build_tiny_model
 
-DEMO_CONFIG = REPO_ROOT / "examples" / "calculator" / "config.yaml"
+EXAMPLE_CONFIGS = [
+    REPO_ROOT / "examples" / task / "config.yaml" for task in ("calculator", "search", "code")
+]
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    wanted = [TinyModelSettings(), load_project_config(DEMO_CONFIG, []).tiny_model]
+    examples = [load_project_config(path, []).tiny_model for path in EXAMPLE_CONFIGS]
+    wanted = [TinyModelSettings(), *examples]
     folders = {build_tiny_model(SHIPPED_MODELS_DIR, settings=settings) for settings in wanted}
     for folder in SHIPPED_MODELS_DIR.iterdir():
         if folder not in folders:

@@ -165,6 +165,17 @@ async def test_up_reports_a_service_that_cannot_start():
     assert f"127.0.0.1:{port}" in stderr
 
 
+async def test_up_gives_up_on_a_service_slower_to_start_than_its_timeout():
+    # No service comes up within a millisecond: the first started is named, with the setting.
+    code, _, stderr = await run_turnrl(
+        "up", "--check", *FREE_PORTS, "launcher.startup_timeout_seconds=0.001"
+    )
+    assert code == 1
+    assert "tool service" in stderr
+    message = " ".join(stderr.split())  # as printed, wrapped to the terminal
+    assert "did not report SERVING within 0.001s (launcher.startup_timeout_seconds)" in message
+
+
 async def test_up_rejects_a_bad_config_naming_the_key():
     code, _, stderr = await run_turnrl("up", "--check", "rollout.server.max_message_bytes=-1")
     assert code == 2

@@ -206,6 +206,7 @@ class Controller(RunLoop):
         prompts = [r.to_proto(request_config.tools) for r in records]
         for prompt, prompt_id in zip(prompts, prompt_ids, strict=True):
             prompt.prompt_id = prompt_id
+            prompt.chat_template_kwargs.update(self.config.data.chat_template_kwargs)
         sampling = (
             common_pb2.SamplingParams(
                 temperature=request_config.temperature,
@@ -302,9 +303,16 @@ class Controller(RunLoop):
             "eval/pass@1": measured["accuracy"],
             "eval/reward_mean": measured["reward_mean"],
             "eval/tool_calls": measured["tool_calls"],
+            "eval/tool_call_share": measured["tool_call_share"],
             "eval/step": float(self.step),
             "time/eval": time.monotonic() - started,
         }
+        # A held-out set of several datasets (Search-R1's NQ and HotpotQA) is reported by each.
+        sources = sorted({t.data_source for t in usable})
+        if len(sources) > 1:
+            for source in sources:
+                of_source = [t for t in usable if t.data_source == source]
+                metrics[f"eval/accuracy/{source}"] = rollout_metrics(of_source)["accuracy"]
         self.report.log(self.step, metrics)
         message = f"held-out accuracy {measured['accuracy']:.3f} on {len(trajectories)} prompts"
         self.emit(ProgressEvent(self.step, "eval", metrics, message))
@@ -326,6 +334,8 @@ class Controller(RunLoop):
             "stopped_early": self.step < self.config.steps,
             "initial_eval_accuracy": report.first("eval/accuracy"),
             "final_eval_accuracy": report.last("eval/accuracy"),
+            "initial_eval_tool_call_share": report.first("eval/tool_call_share"),
+            "final_eval_tool_call_share": report.last("eval/tool_call_share"),
             "initial_train_reward": report.first("rollout/reward_mean"),
             "final_train_reward": report.last("rollout/reward_mean"),
             "logprob_mismatch_mean_abs": report.last("mismatch/mean_abs_diff"),

@@ -1,6 +1,6 @@
 """Training and held-out data: prompts (RL) or written conversations (SFT), from verl-format
-parquet/JSONL files or generated calculator problems, and the epoch-wise order the controller
-draws batches in.
+parquet/JSONL files or a generated task's problems (calculator, search, code), and the
+epoch-wise order the controller draws batches in.
 
 A verl RL record is {"prompt": [chat messages], "data_source": str, "reward_model":
 {"ground_truth": ...}, "extra_info": {"tools_kwargs": {...}, "interaction_kwargs": {...}, ...}}.
@@ -20,17 +20,21 @@ import pyarrow.parquet as pq
 from google.protobuf import json_format
 
 from trainer_svc.config import DataConfig
-from turnrl.calculator_data import (
-    TOOLS,
-    CalculatorProblem,
-    Split,
-    generate_problems,
-)
+from turnrl import calculator_data, code_problems, search_world
+from turnrl.calculator_data import TOOLS, CalculatorProblem, Split
+from turnrl.code_problems import CodeProblem
 from turnrl.errors import ConfigError
 from turnrl.messages import ROLES_BY_NAME, dict_to_message
+from turnrl.search_world import SearchQuestion
 from turnrl.v1 import rollout_pb2
 
-CALCULATOR_DATA_SOURCE = "openai/gsm8k"
+# The data source of each generated task's prompts, which picks the reward service's scorer.
+GENERATED_DATA_SOURCES = {
+    "calculator": "openai/gsm8k",
+    "search": search_world.DATA_SOURCE,
+    "code": code_problems.DATA_SOURCE,
+}
+GeneratedProblem = CalculatorProblem | SearchQuestion | CodeProblem
 Record = TypeVar("Record")
 
 
@@ -99,17 +103,17 @@ def _load(
     config: DataConfig,
     seed: int,
     read_file: Callable[[Path], list[Record]],
-    of_problem: Callable[[CalculatorProblem, str], Record],
+    of_problem: Callable[[GeneratedProblem, str, str], Record],
 ) -> tuple[list[Record], list[Record]]:
-    """Training and held-out records from the configured files, or from generated calculator
-    problems (`of_problem` makes a record of a problem and its id)."""
+    """Training and held-out records from the configured files, or from the generated task's
+    problems (`of_problem` makes a record of a problem, its id and its task)."""
     if not config.train_files:
-        settings = config.generated_problems
+        task = config.generated_task
 
         def generated(count: int, split: Split) -> list[Record]:
-            problems = generate_problems(count, seed=seed, split=split, settings=settings)
+            problems = _generated_problems(config, count, seed, split)
             return [
-                of_problem(p, f"calculator-{split}-{index}") for index, p in enumerate(problems)
+                of_problem(p, f"{task}-{split}-{index}", task) for index, p in enumerate(problems)
             ]
 
         train = generated(config.generated_train_size, "train")
@@ -120,6 +124,18 @@ def _load(
     if config.max_eval_prompts is not None:
         held_out = held_out[: config.max_eval_prompts]
     return train, held_out
+
+
+def _generated_problems(
+    config: DataConfig, count: int, seed: int, split: Split
+) -> list[GeneratedProblem]:
+    if config.generated_task == "search":
+        return search_world.generate_questions(count, seed=seed, split=split)
+    if config.generated_task == "code":
+        return code_problems.generate_problems(count, seed=seed, split=split)
+    return calculator_data.generate_problems(
+        count, seed=seed, split=split, settings=config.generated_problems
+    )
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
@@ -217,16 +233,21 @@ def _drop_nulls(value: Any) -> Any:
     return value
 
 
-def _prompt_of_problem(problem: CalculatorProblem, record_id: str) -> PromptRecord:
+def _prompt_of_problem(problem: GeneratedProblem, record_id: str, task: str) -> PromptRecord:
     return PromptRecord(
         prompt_id=record_id,
         messages=problem.prompt_messages,
-        data_source=CALCULATOR_DATA_SOURCE,
+        data_source=GENERATED_DATA_SOURCES[task],
         ground_truth=str(problem.answer),
     )
 
 
-def _conversation_of_problem(problem: CalculatorProblem, record_id: str) -> ConversationRecord:
+def _conversation_of_problem(
+    problem: GeneratedProblem, record_id: str, task: str
+) -> ConversationRecord:
+    if not isinstance(problem, CalculatorProblem):
+        # TrainerConfig refuses such a config when it loads; this is its guard in code.
+        raise ConfigError(f"generated SFT conversations are the calculator's only, not {task}'s")
     return ConversationRecord(conversation_id=record_id, messages=problem.messages, tools=TOOLS)
 
 

@@ -379,6 +379,7 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         "response_length": sum(response_lengths) / count,
         "turns": sum(len(t.turns) for t in trajectories) / count,
         "tool_calls": sum(t.metrics["tool_calls"] for t in trajectories) / count,
+        "tool_call_share": sum(t.metrics["tool_calls"] > 0 for t in trajectories) / count,
         "tool_errors": sum(t.metrics["tool_errors"] for t in trajectories) / count,
     }
 

@@ -48,7 +48,10 @@ def sft_loss(
 
 
 def tokenize_conversations(
-    tokenizer: Any, records: list[ConversationRecord], max_length: int
+    tokenizer: Any,
+    records: list[ConversationRecord],
+    max_length: int,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[Example]:
     """Each conversation's ids and loss mask, with the tokenizer's chat template. Raises
     ConfigError naming a conversation the template cannot split into model turns, or one longer
@@ -57,7 +60,7 @@ def tokenize_conversations(
     for record in records:
         try:
             ids, loss_mask = conversation_ids_and_loss_mask(
-                tokenizer, record.messages, record.tools
+                tokenizer, record.messages, record.tools, chat_template_kwargs=chat_template_kwargs
             )
         # The template's own errors too: it may refuse messages (a role order, a content type).
         except (TurnrlError, jinja2.TemplateError, TypeError, ValueError, KeyError) as e:
@@ -139,10 +142,14 @@ class SftController(RunLoop):
         train, held_out = await asyncio.to_thread(load_conversations, config.data, config.seed)
         max_length = config.sft.max_length
         self.train_examples = await asyncio.to_thread(
-            tokenize_conversations, tokenizer, train, max_length
+            tokenize_conversations, tokenizer, train, max_length, config.data.chat_template_kwargs
         )
         self.held_out_examples = await asyncio.to_thread(
-            tokenize_conversations, tokenizer, held_out, max_length
+            tokenize_conversations,
+            tokenizer,
+            held_out,
+            max_length,
+            config.data.chat_template_kwargs,
         )
         self.sampler = EpochSampler(self.train_examples, config.seed, config.data.shuffle)
         self.total_steps = config.sft.run_steps(config.steps, len(self.train_examples))

@@ -16,6 +16,11 @@ ROLE_NAMES = {
 ROLES_BY_NAME = {name: role for role, name in ROLE_NAMES.items()}
 
 
+def openai_tool_call(call_id: str, name: str, arguments: Any) -> dict[str, Any]:
+    """One entry of an OpenAI assistant message's `tool_calls`."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
 def message_to_dict(message: common_pb2.Message) -> dict[str, Any]:
     """An OpenAI chat message: role, content (text, or a list of parts when there are images),
     tool_calls, tool_call_id, name and reasoning_content when set. Raises ValueError for an
@@ -29,12 +34,7 @@ def message_to_dict(message: common_pb2.Message) -> dict[str, Any]:
         result["content"] = "".join(part.text for part in message.content)
     if message.tool_calls:
         result["tool_calls"] = [
-            {
-                "id": call.id,
-                "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments},
-            }
-            for call in message.tool_calls
+            openai_tool_call(call.id, call.name, call.arguments) for call in message.tool_calls
         ]
     for key in ("tool_call_id", "name", "reasoning_content"):
         if value := getattr(message, key):

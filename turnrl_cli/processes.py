@@ -93,6 +93,7 @@ class ServiceProcess:
     restarts: int = 0
     log_tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
     log_task: asyncio.Task | None = None
+    startup_timeout_seconds: float = STARTUP_TIMEOUT_SECONDS
 
     async def start(self) -> None:
         """Starts the child process, its log copied to ours."""
@@ -192,6 +193,7 @@ async def local_services(
                         *replica_overrides(name, replica, project.server(name)),
                         *peer_addresses(name, services),
                     ],
+                    startup_timeout_seconds=project.launcher.startup_timeout_seconds,
                 )
                 for name in stage
                 if name in to_start
@@ -266,13 +268,22 @@ async def spawn(
     config_path: Path | None,
     overrides: Sequence[str],
     env: dict[str, str] | None = None,
+    startup_timeout_seconds: float = STARTUP_TIMEOUT_SECONDS,
 ) -> ServiceProcess:
     """Starts `python -m turnrl_cli serve NAME` with the config file and `overrides`, and
-    `env` added to this process's environment."""
+    `env` added to this process's environment; `wait_ready` then waits for it up to
+    `startup_timeout_seconds`."""
     command = [sys.executable, "-m", "turnrl_cli", "serve", name, *overrides]
     if config_path is not None:
         command[5:5] = ["--config", str(config_path)]
-    service = ServiceProcess(name, server, command, env, replica=replica)
+    service = ServiceProcess(
+        name,
+        server,
+        command,
+        env,
+        replica=replica,
+        startup_timeout_seconds=startup_timeout_seconds,
+    )
     await service.start()
     return service
 
@@ -289,10 +300,11 @@ async def _forward_log(service: ServiceProcess) -> None:
 
 async def wait_ready(service: ServiceProcess) -> None:
     """Sets the child's address from its `serving` line and waits for health SERVING; raises
-    ServiceDiedError when it exits first or takes longer than STARTUP_TIMEOUT_SECONDS."""
+    ServiceDiedError when it exits first or takes longer than its startup_timeout_seconds."""
     assert service.process.stdout is not None
+    timeout_seconds = service.startup_timeout_seconds
     try:
-        async with asyncio.timeout(STARTUP_TIMEOUT_SECONDS):
+        async with asyncio.timeout(timeout_seconds):
             line = await _read_serving_line(service.process.stdout)
             if not line.startswith("serving "):
                 await service.process.wait()
@@ -301,13 +313,11 @@ async def wait_ready(service: ServiceProcess) -> None:
                 raise ServiceDiedError(service.exit_description())
             host_port = line.rsplit(" ", 1)[-1]
             service.address = _reachable(host_port)
-            await rpc.wait_until_serving(
-                service.client_config(), timeout_seconds=STARTUP_TIMEOUT_SECONDS
-            )
+            await rpc.wait_until_serving(service.client_config(), timeout_seconds=timeout_seconds)
     except TimeoutError:
         raise ServiceDiedError(
             f"{service.label} service (pid {service.process.pid}) did not report SERVING within "
-            f"{STARTUP_TIMEOUT_SECONDS:.0f}s"
+            f"{timeout_seconds:g}s (launcher.startup_timeout_seconds)"
         ) from None
 
 

@@ -121,6 +121,14 @@ class LauncherConfig(StrictModel):
         "node's) with no TLS or token of its own; generate: always (a shared machine's other "
         "users reach 127.0.0.1 too); none: never.",
     )
+    startup_timeout_seconds: float = Field(
+        default=120.0,
+        gt=0,
+        description="How long a started service may take to report SERVING, in seconds. Raise "
+        "it for one that loads much first: a tool service indexing a large corpus with BM25, a "
+        "rollout service launching SGLang (its own engine_options.startup_timeout_seconds) or "
+        "downloading a model.",
+    )
     restart: RestartPolicies = Field(
         default_factory=RestartPolicies,
         description="Each service's restart policy. Its callers ride a restart out: the rollout "

@@ -91,13 +91,16 @@ class ServiceActor:
         overrides: list[str],
         env: dict[str, str],
         serves: bool,
+        startup_timeout_seconds: float,
     ) -> str:
         """Starts the service; when it `serves` (all but the trainer's ranks > 0), waits for
         its SERVING and returns its address. Raises ServiceDiedError when it fails to start."""
         path = None if config_path is None else Path(config_path)
         if LAUNCH_TOKEN_ENV in env:  # this actor calls the service too, with its token
             os.environ[LAUNCH_TOKEN_ENV] = env[LAUNCH_TOKEN_ENV]
-        self._process = await spawn(name, replica, server, path, overrides, env)
+        self._process = await spawn(
+            name, replica, server, path, overrides, env, startup_timeout_seconds
+        )
         if serves:
             await wait_ready(self._process)
         return self._process.address
@@ -153,14 +156,14 @@ class RayService:
         """Starts the service again in its actor, on its node at its address (its callers
         reconnect there); raises ServiceDiedError when it fails to start, or when its actor
         died with its node (a service elsewhere would have another address)."""
-        name, replica, server, config_path, overrides, env, serves = self.start_args
+        name, replica, server, config_path, overrides, env, serves, timeout = self.start_args
         if self.address:
             overrides = [*overrides, f"{name}.server.port={self.address.rpartition(':')[2]}"]
         self.restarts += 1
         self.ended = None
         try:
             await self.actor.start.remote(
-                name, replica, server, config_path, overrides, env, serves
+                name, replica, server, config_path, overrides, env, serves, timeout
             )
         except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
             self.ended = (-9, [f"restart failed: {e}"])
@@ -208,7 +211,11 @@ async def ray_services(
                 placed = await _place(name, count, resources, group, project, settings)
                 services += placed
                 service_overrides = [*overrides, *peer_addresses(name, services)]
-                starts.append(_start(placed, config, service_overrides))
+                starts.append(
+                    _start(
+                        placed, config, service_overrides, project.launcher.startup_timeout_seconds
+                    )
+                )
             await ready_unless_stopped(asyncio.gather(*starts), stop_requested)
         yield services
     finally:
@@ -287,7 +294,12 @@ async def _place(
     return services
 
 
-async def _start(placed: list[RayService], config_path: str | None, overrides: list[str]) -> None:
+async def _start(
+    placed: list[RayService],
+    config_path: str | None,
+    overrides: list[str],
+    startup_timeout_seconds: float,
+) -> None:
     """Starts the processes of one service's actors: each bound to its node's address, and
     for the trainer's ranks with the rendezvous at rank 0's node."""
     name = placed[0].name
@@ -309,7 +321,8 @@ async def _start(placed: list[RayService], config_path: str | None, overrides: l
             env[LAUNCH_TOKEN_ENV] = token
         serves = name != "trainer" or service.replica == 0
         service.start_args = (
-            name, service.replica, service.server, config_path, [*overrides, *own], env, serves
+            name, service.replica, service.server, config_path, [*overrides, *own], env, serves,
+            startup_timeout_seconds,
         )  # fmt: skip
         try:
             service.address = await service.actor.start.remote(*service.start_args)

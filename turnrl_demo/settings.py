@@ -1,12 +1,12 @@
-"""What decides the tiny calculator model (`turnrl_demo.tiny_model` builds it): the config's
-`tiny_model:` section, a module of its own so that loading a config does not load torch.
+"""What decides a tiny model (`turnrl_demo.tiny_model` builds it): the config's `tiny_model:`
+section, a module of its own so that loading a config does not load torch.
 
 Its fine-tuning is an SFT run of the trainer's (`trainer_svc.sft`), so the batches and the
 optimizer are the trainer's own settings: `sft` is a `trainer.sft` section and `optim` a
 `trainer.optim` section, with defaults of their own here.
 """
 
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
@@ -30,6 +30,13 @@ TINY_MODEL_OPTIM = {
 class TinyModelSettings(StrictModel):
     """Everything that decides the built model; its hash names the cache folder."""
 
+    task: Literal["calculator", "search", "code"] = Field(
+        default="calculator",
+        description="What the model learns to do with a tool: calculator (arithmetic word "
+        "problems, turnrl.calculator_data), search (questions about a generated world, answered "
+        "with the search tool over its corpus, turnrl.search_world) or code (large-number word "
+        "problems, computed with the python tool, turnrl.code_problems).",
+    )
     vocab_size: int = Field(
         default=1024,
         gt=0,
@@ -50,15 +57,18 @@ class TinyModelSettings(StrictModel):
         description="Conversations fine-tuned on (they also train the tokenizer).",
     )
     problems: ProblemSettings = Field(
-        default_factory=ProblemSettings, description="The shape of those conversations' problems."
+        default_factory=ProblemSettings,
+        description="The shape of the calculator task's problems (the other tasks have one "
+        "shape each).",
     )
     guess_share: float = Field(
         default=0.0,
         ge=0.0,
         le=1.0,
-        description="Share of the conversations that answer at once, without the tool, with the "
-        "problem's starting count (wrong unless the operations cancel out): a warm start that uses the tool only some of "
-        "the time, for RL to teach it to use the tool every time.",
+        description="Share of the conversations that answer at once, without the tool, with a "
+        "guess (calculator: the starting count; search: a fact of the asked kind drawn at "
+        "random; code: the problem's first number), wrong but by chance: a warm start that "
+        "uses the tool only some of the time, for RL to teach it to use the tool every time.",
     )
     train_steps: int = Field(
         default=2000,

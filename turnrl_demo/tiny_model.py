@@ -1,17 +1,22 @@
-"""A tiny Qwen3 model that has learned the calculator tool-call format, built locally and cached:
-the demo's policy and the tests' model. An example of a model, not part of the core.
+"""A tiny Qwen3 model that has learned one tool's call format, built locally and cached: the
+demos' policies and the tests' model. An example of a model, not part of the core.
+
+A model learns one task (`TinyModelSettings.task`): the calculator (arithmetic word problems,
+`turnrl.calculator_data`), search (questions about a generated world answered from its corpus
+through the `search` tool, `turnrl.search_world`) or code (large-number word problems computed by
+the `python` tool, `turnrl.code_problems`).
 
 Tests and the CPU demo need a real transformers model that writes tool calls, and nothing may
 be downloaded. `build_tiny_model` makes one from scratch in 10-15 minutes on two CPU cores:
 
-1. a byte-level BPE tokenizer trained on rendered calculator conversations, with Qwen2.5's chat
+1. a byte-level BPE tokenizer trained on the task's rendered conversations, with Qwen2.5's chat
    tokens and turnrl's own ChatML template (`turnrl/chat_template.jinja`);
 2. a randomly initialised Qwen3 model of about 0.4M parameters (2 layers, width 128);
 3. supervised fine-tuning on those conversations by the trainer's own SFT
    (`trainer_svc.sft.sft_in_process`: the loss on the assistant's tokens only, batches, AdamW
    and LR schedule of the settings' `sft` and `optim`), so that greedy decoding writes
-   `<tool_call>{"name": "calculator", ...}</tool_call>` and, after the tool's response,
-   `#### <the tool's number>`.
+   the task's tool call (`<tool_call>{"name": "calculator", ...}</tool_call>`) and, after the
+   tool's response, the answer it gives (`#### <the tool's number>`).
 
 The result is saved with `save_pretrained` into a folder named by a hash of the settings, the
 template and FORMAT_VERSION; the folder appears by an atomic rename, so a folder that exists is
@@ -43,9 +48,17 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from tool_svc.tools.python import PythonTool
+from tool_svc.tools.search import (
+    DEFAULT_MAX_TOPK,
+    Bm25Index,
+    SearchOptions,
+    format_passages,
+    search_schema,
+)
 from trainer_svc.data import ConversationRecord
 from trainer_svc.sft import sft_in_process, tokenize_conversations
-from turnrl.calculator_data import TOOLS, generate_problems
+from turnrl import calculator_data, code_problems, search_world
 from turnrl.chat_tokens import CHAT_TEMPLATE
 from turnrl.config import cache_dir
 from turnrl_demo.settings import TinyModelSettings
@@ -86,7 +99,7 @@ def build_tiny_model(
     models_dir = models_dir or cache_dir() / "tiny_models"
     chat_template = CHAT_TEMPLATE.read_text()
     conversations = training_conversations(settings, seed)
-    name = f"qwen3-calculator-{_cache_key(settings, seed, chat_template, conversations)}"
+    name = f"qwen3-{settings.task}-{_cache_key(settings, seed, chat_template, conversations)}"
     if (SHIPPED_MODELS_DIR / name).is_dir():
         return SHIPPED_MODELS_DIR / name
     target = models_dir / name
@@ -110,16 +123,55 @@ def build_tiny_model(
 
 
 def training_conversations(settings: TinyModelSettings, seed: int) -> list[list[dict[str, Any]]]:
-    """The SFT conversations: solved training problems, `guess_share` of them guessing at once
-    without the tool (which ones is drawn from the seed)."""
-    problems = generate_problems(
-        settings.train_problems, seed=seed, split="train", settings=settings.problems
-    )
-    guesses = random.Random(f"guesses:{seed}")
+    """The SFT conversations: solved training problems of the task, `guess_share` of them
+    answering at once with a guess, without the tool (which ones is drawn from the seed)."""
+    count, guesses = settings.train_problems, random.Random(f"guesses:{seed}")
+    if settings.task == "calculator":
+        problems = calculator_data.generate_problems(
+            count, seed=seed, split="train", settings=settings.problems
+        )
+        return [
+            problem.guess_messages if guesses.random() < settings.guess_share else problem.messages
+            for problem in problems
+        ]
+    if settings.task == "code":
+        return [
+            problem.guess_messages if guesses.random() < settings.guess_share else problem.messages
+            for problem in code_problems.generate_problems(count, seed=seed, split="train")
+        ]
+    questions = search_world.generate_questions(count, seed=seed, split="train")
+    answers = _world_search_answers([question.town for question in questions])
     return [
-        problem.guess_messages if guesses.random() < settings.guess_share else problem.messages
-        for problem in problems
+        question.guess_messages(guesses)
+        if guesses.random() < settings.guess_share
+        else question.messages(answers.__getitem__)
+        for question in questions
     ]
+
+
+def task_tools(settings: TinyModelSettings) -> list[dict[str, Any]]:
+    """The schemas of the task's tool as the tool service serves them: what the conversations
+    render, so the model learns the schema it is shown."""
+    schema = {
+        "calculator": calculator_data.CALCULATOR_TOOL["function"],
+        "search": search_schema(DEFAULT_MAX_TOPK),
+        "code": PythonTool.schema,
+    }[settings.task]
+    return [{"type": "function", "function": schema}]
+
+
+def _world_search_answers(queries: list[str]) -> dict[str, str]:
+    """The `search` tool's answer to each query over the generated world's corpus, with the
+    tool's defaults (BM25 over the same corpus, top 3, Search-R1's rendering)."""
+    with tempfile.TemporaryDirectory(prefix="turnrl-search-world-") as folder:
+        corpus = Path(folder) / "corpus.jsonl"
+        corpus.write_text("".join(json.dumps(row) + "\n" for row in search_world.corpus_rows()))
+        options = SearchOptions(corpus_path=corpus)
+        index = Bm25Index.open(corpus, Path(folder) / "index", k1=options.bm25_k1, b=options.bm25_b)
+        return {
+            query: format_passages(passages)
+            for query, passages in zip(queries, index.search(queries, options.topk), strict=True)
+        }
 
 
 def _cache_key(
@@ -134,9 +186,11 @@ def _cache_key(
             "format_version": FORMAT_VERSION,
             "seed": seed,
             # shared_prefix_forward shapes the forwards of RL groups only (an SFT batch has
-            # none), so it leaves the build, and the shipped folders' names, as they were.
+            # none), so it leaves the build, and the shipped folders' names, as they were. The
+            # task names the folder and decides the conversations: left out too, so the
+            # calculator models keep the names they shipped under before there were tasks.
             "settings": settings.model_dump(
-                mode="json", exclude={"optim": {"shared_prefix_forward"}}
+                mode="json", exclude={"task": True, "optim": {"shared_prefix_forward"}}
             ),
             "chat_template_sha256": _sha256(chat_template),
             "conversations_sha256": _sha256(json.dumps(conversations, sort_keys=True)),
@@ -162,7 +216,11 @@ def _build(
     started = time.monotonic()
     logger.info("tiny model: building into %s", folder)
     tokenizer = _train_tokenizer(
-        conversations, chat_template, settings.vocab_size, settings.max_position_embeddings
+        conversations,
+        chat_template,
+        task_tools(settings),
+        settings.vocab_size,
+        settings.max_position_embeddings,
     )
     logger.info(
         "tiny model: tokenizer of %d tokens trained in %.1f s",
@@ -170,7 +228,7 @@ def _build(
         time.monotonic() - started,
     )
     records = [
-        ConversationRecord(f"tiny-model-{i}", messages, TOOLS)
+        ConversationRecord(f"tiny-model-{i}", messages, task_tools(settings))
         for i, messages in enumerate(conversations)
     ]
     examples = tokenize_conversations(tokenizer, records, settings.sft.max_length)
@@ -216,10 +274,14 @@ def _log_step(step: int, total_steps: int, metrics: dict[str, float], started: f
 
 
 def _train_tokenizer(
-    conversations: list[list[dict[str, Any]]], chat_template: str, vocab_size: int, max_length: int
+    conversations: list[list[dict[str, Any]]],
+    chat_template: str,
+    tools: list[dict[str, Any]],
+    vocab_size: int,
+    max_length: int,
 ) -> PreTrainedTokenizerFast:
     """A byte-level BPE over the rendered conversations, wrapped with Qwen2.5's chat tokens."""
-    rendered = render_jinja_template(conversations, tools=TOOLS, chat_template=chat_template)[0]
+    rendered = render_jinja_template(conversations, tools=tools, chat_template=chat_template)[0]
     # The chat tokens are added whole afterwards; merges are learned on the text between them.
     chat_tokens = re.compile("|".join(re.escape(token) for token in SPECIAL_TOKENS + TOOL_TOKENS))
     corpus = [piece for text in rendered for piece in chat_tokens.split(text) if piece]

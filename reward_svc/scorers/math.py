@@ -14,6 +14,7 @@ from typing import Any
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
 from reward_svc.scorers.base import Score, ScoringRequest
+from turnrl import code_problems
 
 DATA_SOURCES = (
     "lighteval/MATH",
@@ -23,6 +24,7 @@ DATA_SOURCES = (
     "math",
     "aime2024",
     "aime2025",
+    code_problems.DATA_SOURCE,  # the CPU code task's generated problems
 )
 # math-verify warns once per process that its timeouts are off; that is deliberate here.
 for _module in ("math_verify.grader", "math_verify.parser"):

@@ -19,6 +19,7 @@ from collections import Counter
 from typing import Any
 
 from reward_svc.scorers.base import Score, ScoringRequest
+from turnrl import search_world
 
 _QA_DATASETS = (
     "nq",
@@ -29,7 +30,12 @@ _QA_DATASETS = (
     "musique",
     "bamboogle",
 )
-EM_DATA_SOURCES = _QA_DATASETS + tuple(f"searchR1_{name}" for name in _QA_DATASETS)
+# With the CPU search task's generated questions (turnrl.search_world).
+EM_DATA_SOURCES = (
+    *_QA_DATASETS,
+    *(f"searchR1_{name}" for name in _QA_DATASETS),
+    search_world.DATA_SOURCE,
+)
 F1_DATA_SOURCES: tuple[str, ...] = ()
 MAX_ANSWER_TAGS = 10
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)

@@ -2,10 +2,7 @@
 loader, the reward service's gsm8k scorer and the gsm8k_answer tool, the GPU config checked
 without a GPU, and the recipe run for two steps against a stand-in SGLang server."""
 
-import contextlib
-import importlib.util
 import json
-from collections.abc import AsyncIterator
 from decimal import Decimal
 from pathlib import Path
 
@@ -15,14 +12,19 @@ from transformers import AutoTokenizer
 from reward_svc.scorers import SCORERS, gsm8k
 from reward_svc.scorers.base import ScoringRequest
 from rollout_svc.engines.sglang import SglangEngineOptions
-from tests.conftest import run_turnrl
-from tests.rollout_svc.sglang_stand_in import stand_in_command
-from tool_svc.config import ToolConfig
-from tool_svc.service import ToolService
-from trainer_svc.data import PromptRecord, load_datasets
+from trainer_svc.data import PromptRecord
 from turnrl.chat_tokens import ConversationTokens
 from turnrl.config import REPO_ROOT
 from turnrl_cli.project_config import ProjectConfig, load_project_config
+
+from .recipes import (
+    converted_records,
+    load_script,
+    offered_tool_schemas,
+    on_stand_in,
+    run_two_steps,
+    tool_service,
+)
 
 EXAMPLE = REPO_ROOT / "examples" / "gsm8k_tool"
 # (split, index in the fixture file, final answer as the fixture's solution writes it)
@@ -34,16 +36,7 @@ KNOWN_ANSWERS = [
 ]
 
 
-def _load_converter():
-    spec = importlib.util.spec_from_file_location(
-        "gsm8k_tool_prepare_data", EXAMPLE / "prepare_data.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-prepare_data = _load_converter()
+prepare_data = load_script(EXAMPLE, "prepare_data")
 
 
 @pytest.fixture(scope="module")
@@ -60,34 +53,7 @@ def records(
     output_dir = tmp_path_factory.mktemp("gsm8k_tool")
     argv = ["--gsm8k-dir", str(fixtures / "gsm8k"), "--output-dir", str(output_dir)]
     assert prepare_data.main(argv) == 0
-    data = config.trainer.data
-    data = data.model_copy(
-        update={
-            "train_files": [output_dir / path.name for path in data.train_files],
-            "eval_files": [output_dir / path.name for path in data.eval_files],
-        }
-    )
-    train, held_out = load_datasets(data, seed=config.trainer.seed)
-    return {"train": train, "test": held_out}
-
-
-@contextlib.asynccontextmanager
-async def tool_service(config: ToolConfig) -> AsyncIterator[ToolService]:
-    service = await ToolService.create(config)
-    try:
-        yield service
-    finally:
-        await service.close()
-
-
-def offered_tool_schemas(service: ToolService, config: ProjectConfig) -> list[dict]:
-    """The served schemas of the tools the trainer offers, as the rollout service renders them."""
-    served = {info.schema["name"]: info.schema for info in service.list_tools()}
-    missing = set(config.trainer.rollout.tools) - set(served)
-    assert not missing, (
-        f"trainer.rollout.tools offers {missing}; the tool section serves {set(served)}"
-    )
-    return [{"type": "function", "function": served[name]} for name in config.trainer.rollout.tools]
+    return converted_records(config, output_dir)
 
 
 def test_every_row_loads_with_the_fixture_final_answer(fixtures, records):
@@ -185,44 +151,11 @@ async def test_the_recipe_runs_two_steps_on_a_stand_in_sglang_server(
     data_dir = tmp_path / "data"
     argv = ["--gsm8k-dir", str(fixtures / "gsm8k"), "--output-dir", str(data_dir)]
     assert prepare_data.main(argv) == 0
-    config = {
-        "base": str(EXAMPLE / "config.yaml"),
-        "tool": {"server": {"port": 0}},
-        "reward": {"server": {"port": 0}, "workers": 1},
-        "rollout": {
-            "server": {"port": 0},
-            "model_path": str(tiny_model_dir),
-            "engine_options": {
-                "launch": {"port": 0, "extra_args": [], "command": list(stand_in_command())},
-                "startup_timeout_seconds": 120,
-            },
-            "max_new_tokens": 48,
-            "max_response_length": 256,
-            "max_concurrent_trajectories": 16,
-        },
-        "trainer": {
-            "server": {"port": 0},
-            "model_path": str(tiny_model_dir),
-            "output_dir": str(tmp_path),
-            "steps": 2,
-            "eval_every": 0,
-            "data": {
-                "train_files": [str(data_dir / "train.parquet")],
-                "eval_files": [str(data_dir / "test.parquet")],
-                "max_eval_prompts": 2,
-            },
-            "rollout": {"prompts_per_step": 2, "samples_per_prompt": 2, "max_turns": 3},
-            "optim": {"dtype": "float32", "activation_checkpointing": False},
-            "weight_sync": {"backend": "gloo"},
-            "wandb_mode": "disabled",
-        },
+    data = {
+        "train_files": [str(data_dir / "train.parquet")],
+        "eval_files": [str(data_dir / "test.parquet")],
+        "max_eval_prompts": 2,
     }
-    config_file = tmp_path / "config.yaml"
-    config_file.write_text(json.dumps(config))  # JSON is YAML
-    code, _, stderr = await run_turnrl("run", "--config", str(config_file), timeout_seconds=600)
-    assert code == 0, stderr[-4000:]
-    lines = (tmp_path / "gsm8k_tool" / "metrics.jsonl").read_text().splitlines()
-    steps = [record for record in map(json.loads, lines) if "train/loss" in record]
-    assert [record["step"] for record in steps] == [1, 2]
-    assert all(record["push/broadcast"] == 1.0 for record in steps)
-    assert steps[1]["mismatch/mean_abs_diff"] < 1e-3, steps[1]
+    config = on_stand_in(EXAMPLE / "config.yaml", tiny_model_dir, tmp_path, data)
+    config["trainer"]["rollout"]["samples_per_prompt"] = 2
+    await run_two_steps(config, tmp_path, "gsm8k_tool")

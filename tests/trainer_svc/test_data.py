@@ -8,8 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from google.protobuf import json_format
+from pydantic import ValidationError
 
-from trainer_svc.config import DataConfig
+from trainer_svc.config import DataConfig, TrainerConfig
+from trainer_svc.controller import Controller
 from trainer_svc.data import (
     EpochSampler,
     load_conversations,
@@ -17,6 +19,8 @@ from trainer_svc.data import (
     read_conversations,
     read_records,
 )
+from trainer_svc.ranks import Ranks
+from turnrl import code_problems, search_world
 from turnrl.calculator_data import TOOLS
 from turnrl.errors import ConfigError
 
@@ -48,6 +52,11 @@ VERL_ROWS = [
         "extra_info": {"index": 1, "split": "train"},
     },
 ]
+
+GENERATORS = {
+    "search": search_world.generate_questions,
+    "code": code_problems.generate_problems,
+}
 
 
 def parquet_and_jsonl(folder: Path, stem: str, rows: list[dict]) -> tuple[Path, Path]:
@@ -111,6 +120,28 @@ def test_generated_calculator_data_has_disjoint_splits():
     assert all(
         r.data_source == "openai/gsm8k" and r.ground_truth.lstrip("-").isdigit() for r in train
     )
+
+
+@pytest.mark.parametrize(
+    ("task", "data_source"), [("search", "turnrl_search"), ("code", "turnrl_code")]
+)
+def test_generated_search_and_code_prompts_are_their_tasks(task, data_source):
+    config = DataConfig(generated_task=task, generated_train_size=40, generated_eval_size=8)
+    train, held_out = load_datasets(config, seed=0)
+    assert len(train) == 40 and len(held_out) == 8
+    assert [r.prompt_id for r in held_out[:2]] == [f"{task}-test-0", f"{task}-test-1"]
+    assert {r.data_source for r in train + held_out} == {data_source}
+    assert not {r.messages[-1]["content"] for r in train} & {
+        r.messages[-1]["content"] for r in held_out
+    }
+    problems = GENERATORS[task](8, seed=0, split="test")
+    assert [r.ground_truth for r in held_out] == [str(p.answer) for p in problems]
+    assert [r.messages for r in held_out] == [p.prompt_messages for p in problems]
+
+
+def test_an_sft_run_without_files_is_refused_for_a_task_but_the_calculator():
+    with pytest.raises(ValidationError, match="generates the calculator's conversations only"):
+        TrainerConfig.model_validate({"mode": "sft", "data": {"generated_task": "search"}})
 
 
 def test_sampler_order_is_seeded_covers_each_epoch_and_resumes():
@@ -241,3 +272,15 @@ def test_generated_conversations_are_the_solved_calculator_problems():
     assert all(c.messages[-1]["content"].startswith("#### ") for c in train + held_out)
     assert all(c.tools == TOOLS for c in train + held_out)
     assert len(held_out) == 5 and held_out[0].conversation_id == "calculator-test-0"
+
+
+def test_chat_template_kwargs_go_with_every_rl_prompt(tmp_path):
+    config = TrainerConfig.model_validate(
+        {"data": {"chat_template_kwargs": {"enable_thinking": False}}}
+    )
+    controller = Controller(config, tmp_path, lambda event: None, Ranks())
+    prompts, _ = load_datasets(DataConfig(generated_train_size=2), seed=0)
+    request = controller._generate_request(prompts, ["a", "b"], "step1", training=True)
+    assert [json_format.MessageToDict(p.chat_template_kwargs) for p in request.prompts] == [
+        {"enable_thinking": False}
+    ] * 2

@@ -13,6 +13,8 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tool_svc.config import ToolConfig
+from tool_svc.service import ToolService
 from tool_svc.tools.base import ToolCallError
 from tool_svc.tools.calculator import CalculatorOptions, CalculatorTool, format_value
 from trainer_svc.config import SftConfig, TrainSettings
@@ -24,6 +26,7 @@ from turnrl.calculator_data import (
     generate_problems,
 )
 from turnrl.chat_tokens import CHAT_TEMPLATE, conversation_ids_and_loss_mask
+from turnrl.config import REPO_ROOT
 from turnrl_cli.model_paths import load_with_tiny_model
 from turnrl_cli.project_config import load_project_config
 from turnrl_demo.settings import TinyModelSettings
@@ -32,10 +35,10 @@ from turnrl_demo.tiny_model import (
     SPECIAL_TOKENS,
     TOOL_TOKENS,
     build_tiny_model,
+    task_tools,
     training_conversations,
 )
 
-from ..conftest import EXAMPLE_CONFIG
 from ..turnrl.test_conversation_loss_mask import masked_runs
 
 HELD_OUT_QUESTIONS = 20
@@ -203,14 +206,19 @@ def test_final_answers_copy_the_last_tool_result(episodes):
     assert rate >= MIN_ANSWER_COPY_RATE, [(e.turns, e.tool_results) for e in episodes]
 
 
-def test_the_tests_and_the_demos_models_ship_and_nothing_else(tmp_path):
-    """Both resolve to the shipped folders without building (scripts/ship_tiny_models.py makes
+def test_the_tests_and_the_examples_models_ship_and_nothing_else(tmp_path):
+    """They resolve to the shipped folders without building (scripts/ship_tiny_models.py makes
     them anew when what a build reads changes), and no stale folder ships beside them."""
-    demo_settings = load_project_config(EXAMPLE_CONFIG).tiny_model
+    examples = [
+        load_project_config(REPO_ROOT / "examples" / task / "config.yaml").tiny_model
+        for task in ("calculator", "search", "code")
+    ]
     folders = {
         build_tiny_model(tmp_path, settings=settings)
-        for settings in (TinyModelSettings(), demo_settings)
+        for settings in (TinyModelSettings(), *examples)
     }
+    assert len(folders) == 4
+    assert {folder.name.split("-")[1] for folder in folders} == {"calculator", "search", "code"}
     assert {folder.parent for folder in folders} == {SHIPPED_MODELS_DIR}
     assert set(SHIPPED_MODELS_DIR.iterdir()) == folders
     assert not any(tmp_path.iterdir())  # nothing was built
@@ -272,3 +280,24 @@ def test_a_null_model_path_becomes_the_configs_tiny_model(tiny_model_dir):
     assert project.rollout.model_path == str(tiny_model_dir)
     assert project.trainer.model_path is None  # not asked for
     assert overrides == [f"rollout.model_path={tiny_model_dir}"]
+
+
+@pytest.mark.parametrize("task", ["search", "code"])
+async def test_each_tasks_conversations_render_the_schema_its_tool_serves(task):
+    """The schema a tiny model learns is the one the tool service shows the policy."""
+    settings = TinyModelSettings(task=task, train_problems=200, guess_share=0.25)
+    conversations = training_conversations(settings, seed=0)
+    guesses = [c for c in conversations if len(c) == 3]
+    assert 25 <= len(guesses) <= 75  # about a quarter answer at once
+    tool_name = {"search": "search", "code": "python"}[task]
+    for conversation in conversations:
+        if len(conversation) > 3:
+            assert conversation[2]["tool_calls"][0]["function"]["name"] == tool_name
+    options = {"search": {"corpus_path": str(REPO_ROOT / "examples/search/corpus.jsonl")}}
+    config = ToolConfig(tools=[{"class_name": tool_name, "config": options.get(task, {})}])
+    service = await ToolService.create(config)
+    try:
+        served = [info.schema for info in service.list_tools()]
+    finally:
+        await service.close()
+    assert [tool["function"] for tool in task_tools(settings)] == served

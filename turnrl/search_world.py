@@ -1,0 +1,194 @@
+"""Questions about a generated world of towns, answered by searching its encyclopedia with the
+`search` tool: the CPU-scale Search-R1 task's data.
+
+A tiny model cannot read real Wikipedia, so the world is made up and its text is regular:
+WORLD_TOWNS towns, each with a country, a river and a founding year, and one passage about it
+(`corpus_rows`, the JSONL corpus the tool service indexes with BM25):
+
+    "Brenvik"
+    Brenvik is a town in the country of Osteria, on the river Halm. It was founded in the
+    year 1642. It is twinned with Talomar.
+
+A question asks one fact of one town. Its solved conversation, in OpenAI message format:
+
+    system     SYSTEM_PROMPT
+    user       "When was Brenvik founded?"
+    assistant  tool call search {"query": "Brenvik"}
+    tool       the tool's answer: the best passages, Search-R1's `Doc 1(Title: Brenvik) ...`
+    assistant  "<answer>1642</answer>"
+
+graded by Search-R1's exact match (the reward service's `search_qa` scorer, DATA_SOURCE). The
+twin's passage names the town too, so a search returns two passages or more to choose from.
+A question belongs to the test split when its town does (a hash of the name), so held-out
+questions are about towns the training questions never ask about; the corpus holds them all.
+The world depends on nothing but WORLD_SEED: the trainer, the tiny model's build and the
+committed corpus (`examples/search/corpus.jsonl`) all make the same one.
+"""
+
+import functools
+import hashlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Split = Literal["train", "test"]
+
+WORLD_SEED = 0
+WORLD_TOWNS = 2000
+SYSTEM_PROMPT = (
+    "Answer the question. Search for what you do not know with the search tool. "
+    "Give the final answer as <answer>...</answer>."
+)
+DATA_SOURCE = "turnrl_search"
+# One town in TEST_SHARE_BUCKETS of BUCKETS belongs to the test split.
+BUCKETS = 10
+TEST_SHARE_BUCKETS = 1
+
+_COUNTRIES = (
+    "Osteria", "Valdmark", "Korvania", "Lunessa", "Thalgor", "Merovia", "Pellandia", "Zanthor",
+    "Eskaria", "Brundia", "Calvessa", "Dornhal", "Fennmoor", "Galdoria", "Harrowen", "Istrava",
+)  # fmt: skip
+_RIVERS = (
+    "Halm", "Vesk", "Orra", "Tamber", "Lisk", "Duna", "Merrow", "Selt", "Kavel", "Brisa",
+    "Ondra", "Pell", "Rask", "Ulme", "Yarrow", "Zenna", "Corla", "Fenn", "Grail", "Istel",
+)  # fmt: skip
+_ONSETS = ("br", "t", "k", "v", "m", "d", "s", "l", "g", "p", "r", "n", "h", "f", "z", "c")
+_VOWELS = ("a", "e", "i", "o", "u")
+_CODAS = ("", "n", "r", "l", "s", "k", "m", "th")
+_ENDINGS = ("vik", "mar", "ford", "holm", "stad", "burg", "wick", "dale", "ton", "heim")
+# How each fact is asked. A question names its fact with a word its town's passage has before
+# the answer (country, river, founded), so a tiny model can find the answer by that word.
+_QUESTIONS = {
+    "country": ("In which country is {town}?", "Which country is {town} in?"),
+    "river": ("On which river is {town}?", "Which river flows through {town}?"),
+    "founded": ("When was {town} founded?", "In which year was {town} founded?"),
+}
+
+
+@dataclass(frozen=True)
+class Town:
+    name: str
+    country: str
+    river: str
+    founded: str
+    twin: str
+
+    @property
+    def passage(self) -> str:
+        """The corpus entry: a quoted title line, then the text (FlashRAG's `contents`)."""
+        return (
+            f'"{self.name}"\n{self.name} is a town in the country of {self.country}, on the '
+            f"river {self.river}. It was founded in the year {self.founded}. It is twinned "
+            f"with {self.twin}."
+        )
+
+
+@dataclass
+class SearchQuestion:
+    """One question about one town, its answer, and what a solver says."""
+
+    question: str
+    answer: str
+    town: str
+    fact: str
+    """country, river or founded."""
+
+    @property
+    def prompt_messages(self) -> list[dict[str, Any]]:
+        return [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": self.question},
+        ]
+
+    def messages(self, search: Callable[[str], str]) -> list[dict[str, Any]]:
+        """The solved conversation; `search(query)` is the tool's answer to a query."""
+        call = {"name": "search", "arguments": {"query": self.town}}
+        return [
+            *self.prompt_messages,
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"id": "call_0", "type": "function", "function": call}],
+            },
+            {"role": "tool", "tool_call_id": "call_0", "content": search(self.town)},
+            {"role": "assistant", "content": f"<answer>{self.answer}</answer>"},
+        ]
+
+    def guess_messages(self, rng: random.Random) -> list[dict[str, Any]]:
+        """An answer at once, without searching: a fact of the same kind drawn at random,
+        right by chance only (1 in 16 countries, 1 in 20 rivers)."""
+        guess = {
+            "country": lambda: rng.choice(_COUNTRIES),
+            "river": lambda: rng.choice(_RIVERS),
+            "founded": lambda: str(rng.randint(1100, 1990)),
+        }[self.fact]()
+        return [
+            *self.prompt_messages,
+            {"role": "assistant", "content": f"<answer>{guess}</answer>"},
+        ]
+
+
+@functools.cache
+def towns() -> tuple[Town, ...]:
+    """The world's towns, the same on every run."""
+    rng = random.Random(f"search-world:{WORLD_SEED}")
+    names: list[str] = []
+    while len(names) < WORLD_TOWNS:
+        name = _town_name(rng)
+        if name not in names:
+            names.append(name)
+    twins = names[1:] + names[:1]  # each town names the next, so every town is named twice
+    return tuple(
+        Town(
+            name=name,
+            country=rng.choice(_COUNTRIES),
+            river=rng.choice(_RIVERS),
+            founded=str(rng.randint(1100, 1990)),
+            twin=twin,
+        )
+        for name, twin in zip(names, twins, strict=True)
+    )
+
+
+def corpus_rows() -> list[dict[str, str]]:
+    """The world's encyclopedia as FlashRAG/Search-R1 JSONL rows, one per town."""
+    return [{"id": str(index), "contents": town.passage} for index, town in enumerate(towns())]
+
+
+def generate_questions(
+    count: int, *, seed: int = 0, split: Split = "train"
+) -> list[SearchQuestion]:
+    """`count` distinct questions about the towns of `split`, drawn from `seed`, the same on
+    every run. Raises ValueError for an unknown split or more questions than the split has."""
+    if split not in ("train", "test"):
+        raise ValueError(f"unknown split {split!r}; expected 'train' or 'test'")
+    every = [
+        (town, fact) for town in towns() if split_of(town.name) == split for fact in _QUESTIONS
+    ]
+    if count > len(every):
+        raise ValueError(f"the {split} split has {len(every)} questions, not {count}")
+    rng = random.Random(f"search-questions:{split}:{seed}")
+    return [
+        SearchQuestion(
+            question=rng.choice(_QUESTIONS[fact]).format(town=town.name),
+            answer=getattr(town, fact),
+            town=town.name,
+            fact=fact,
+        )
+        for town, fact in rng.sample(every, count)
+    ]
+
+
+def split_of(town: str) -> Split:
+    """The split of a town's questions, fixed by its name."""
+    bucket = hashlib.blake2b(town.encode(), digest_size=8).digest()[0] % BUCKETS
+    return "test" if bucket < TEST_SHARE_BUCKETS else "train"
+
+
+def _town_name(rng: random.Random) -> str:
+    syllables = "".join(
+        rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
+        for _ in range(rng.randint(1, 2))
+    )
+    return (syllables + rng.choice(_ENDINGS)).capitalize()
