@@ -126,26 +126,25 @@ def training_conversations(settings: TinyModelSettings, seed: int) -> list[list[
     """The SFT conversations: solved training problems of the task, `guess_share` of them
     answering at once with a guess, without the tool (which ones is drawn from the seed)."""
     count, guesses = settings.train_problems, random.Random(f"guesses:{seed}")
-    if settings.task == "calculator":
-        problems = calculator_data.generate_problems(
+    if settings.task == "search":
+        questions = search_world.generate_questions(count, seed=seed, split="train")
+        answers = _world_search_answers([question.town for question in questions])
+        return [
+            question.guess_messages(guesses)
+            if guesses.random() < settings.guess_share
+            else question.messages(answers.__getitem__)
+            for question in questions
+        ]
+    problems = (
+        calculator_data.generate_problems(
             count, seed=seed, split="train", settings=settings.problems
         )
-        return [
-            problem.guess_messages if guesses.random() < settings.guess_share else problem.messages
-            for problem in problems
-        ]
-    if settings.task == "code":
-        return [
-            problem.guess_messages if guesses.random() < settings.guess_share else problem.messages
-            for problem in code_problems.generate_problems(count, seed=seed, split="train")
-        ]
-    questions = search_world.generate_questions(count, seed=seed, split="train")
-    answers = _world_search_answers([question.town for question in questions])
+        if settings.task == "calculator"
+        else code_problems.generate_problems(count, seed=seed, split="train")
+    )
     return [
-        question.guess_messages(guesses)
-        if guesses.random() < settings.guess_share
-        else question.messages(answers.__getitem__)
-        for question in questions
+        problem.guess_messages if guesses.random() < settings.guess_share else problem.messages
+        for problem in problems
     ]
 
 
