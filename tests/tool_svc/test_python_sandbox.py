@@ -26,6 +26,8 @@ FAST_OPTIONS = {
     "memory_limit_bytes": 256 * MIB,
     "max_processes": 32,
 }
+# The test's interpreter (the venv's) by a path from the working directory.
+RELATIVE_PYTHON = os.path.relpath(sys.executable)
 
 
 @contextlib.asynccontextmanager
@@ -274,6 +276,14 @@ async def test_start_up_removes_cgroups_a_dead_service_left():
             (path / "run-0").mkdir(parents=True, exist_ok=True)
         async with python_tool():
             assert not any(path.exists() for path in left)
+
+
+async def test_a_relative_python_executable_is_the_one_the_sandbox_runs():
+    """`.venv/bin/python` in a config names the venv beside the service, not one in the
+    sandbox's /workspace."""
+    assert not os.path.isabs(RELATIVE_PYTHON)
+    async with python_tool(python_executable=RELATIVE_PYTHON, enable_site_packages=True) as tool:
+        assert (await run(tool, "import sys; print(sys.prefix)")).text.strip() == sys.prefix
 
 
 async def test_installed_packages_only_when_enabled():

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from tool_svc.cgroups import LimitCounters, SandboxLimits, SandboxUnavailableError
 from tool_svc.sandbox import (
@@ -156,7 +156,8 @@ class PythonOptions(StrictModel):
     python_executable: str | None = Field(
         default=None,
         description="Interpreter to run the code with (a venv's python brings its packages); "
-        "None: the base interpreter of the service.",
+        "a relative path is taken from the service's working directory. None: the base "
+        "interpreter of the service.",
     )
     enable_site_packages: bool = Field(
         default=False,
@@ -170,6 +171,14 @@ class PythonOptions(StrictModel):
     bwrap_executable: str = Field(
         default="bwrap", description="The bubblewrap executable: a name on PATH or a path."
     )
+
+    @field_validator("python_executable")
+    @classmethod
+    def _path_from_the_services_directory(cls, value: str | None) -> str | None:
+        """A relative path made absolute here: in the sandbox the working directory is
+        /workspace, where `.venv/bin/python` is not. The path's links are kept, so a venv's
+        python still finds its venv."""
+        return os.path.abspath(value) if value and os.sep in value else value
 
 
 @dataclass(eq=False)  # sessions are kept in a set, by identity
