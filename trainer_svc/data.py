@@ -3,7 +3,8 @@ parquet/JSONL files or a generated task's problems (calculator, search, code), a
 epoch-wise order the controller draws batches in.
 
 A verl RL record is {"prompt": [chat messages], "data_source": str, "reward_model":
-{"ground_truth": ...}, "extra_info": {"tools_kwargs": {...}, "interaction_kwargs": {...}, ...}}.
+{"ground_truth": ...}, "extra_info": {"tools_kwargs": {...}, "interaction_kwargs": {...}, ...}};
+`tools_kwargs` may be JSON text, for parquet, which cannot store an empty struct.
 A verl multi-turn SFT record is {"messages": [chat messages], "tools": [tool schemas]}; in
 parquet, `tools` and tool-call `arguments` are best stored as JSON text, since a parquet struct
 takes the union of all rows' keys.
@@ -166,7 +167,7 @@ def _record(row: dict[str, Any], default_id: str, path: Path) -> PromptRecord:
         messages=[{"role": m["role"], "content": m["content"]} for m in messages],
         data_source=str(row.get("data_source", "")),
         ground_truth=reward_model["ground_truth"],
-        tools_kwargs=_drop_nulls(extra_info.pop("tools_kwargs", None) or {}),
+        tools_kwargs=_kwargs(extra_info.pop("tools_kwargs", None), f"{where}: `tools_kwargs`"),
         interaction_name=str(interaction.get("name", "")),
         interaction_kwargs=_drop_nulls(interaction),
         extra_info=_drop_nulls(extra_info),
@@ -212,6 +213,15 @@ def _chat_message(message: Any, where: str) -> dict[str, Any]:
             raise ConfigError(f"{where}: tool call arguments must be an object, got {arguments!r}")
         function["arguments"] = arguments
     return message
+
+
+def _kwargs(value: Any, what: str) -> dict[str, Any]:
+    """Per-tool kwargs as an object or as its JSON text (parquet cannot store an empty
+    struct such as `{"python": {"create_kwargs": {}}}`)."""
+    kwargs = _from_json_text(value, what) or {}
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"{what} must be an object of per-tool kwargs, got {kwargs!r}")
+    return _drop_nulls(kwargs)
 
 
 def _from_json_text(value: Any, what: str) -> Any:

@@ -13,10 +13,11 @@ Answer}`), parquet or JSON lines, and writes one row per distinct problem:
   scorer (math-verify on the `\\boxed{}` answer);
 - `reward_model`: {"style": "rule", "ground_truth": the answer};
 - `extra_info`: `split`, `index`, and `tools_kwargs` that open a `python` session for each
-  trajectory, so its cells share variables as the cells of ReTool's SFT data do.
+  trajectory, so its cells share variables as the cells of ReTool's SFT data do. They are JSON
+  text, which the trainer decodes: parquet cannot store the session's empty `create_kwargs`
+  as a struct.
 
-The rows are written as JSON lines (`dapo_math_17k.jsonl`, `aime2024.jsonl`), which the trainer
-reads like parquet: parquet cannot store the empty `create_kwargs` of that session.
+The rows are written as parquet, `dapo_math_17k.parquet` and `aime2024.parquet`.
 
     python examples/retool/prepare_rl_data.py --dapo-file F --aime-file F [--output-dir DIR]
 """
@@ -28,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from turnrl.config import REPO_ROOT
@@ -57,8 +59,8 @@ DAPO_PREFIX = (
     "\n\n"
 )
 DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
-TRAIN_FILE = "dapo_math_17k.jsonl"
-EVAL_FILE = "aime2024.jsonl"
+TRAIN_FILE = "dapo_math_17k.parquet"
+EVAL_FILE = "aime2024.parquet"
 DEFAULT_OUTPUT_DIR = REPO_ROOT / "data" / "retool" / "rl"
 
 
@@ -86,7 +88,7 @@ def to_row(question: str, answer: Any, data_source: str, split: str, index: int)
         "extra_info": {
             "split": split,
             "index": index,
-            "tools_kwargs": {PYTHON_TOOL: {"create_kwargs": {}}},
+            "tools_kwargs": json.dumps({PYTHON_TOOL: {"create_kwargs": {}}}),
         },
     }
 
@@ -122,16 +124,12 @@ def aime_rows(path: Path) -> list[dict]:
     ]
 
 
-def write_jsonl(rows: list[dict], path: Path) -> None:
-    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-
-
 def convert(dapo_file: Path, aime_file: Path, output_dir: Path) -> dict[str, int]:
     """Writes the training and held-out files into `output_dir`; returns the rows of each."""
     output_dir.mkdir(parents=True, exist_ok=True)
     counts = {}
     for name, rows in ((TRAIN_FILE, dapo_rows(dapo_file)), (EVAL_FILE, aime_rows(aime_file))):
-        write_jsonl(rows, output_dir / name)
+        pq.write_table(pa.Table.from_pylist(rows), output_dir / name)
         counts[name] = len(rows)
     return counts
 

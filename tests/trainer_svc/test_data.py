@@ -88,12 +88,35 @@ def test_parquet_and_jsonl_give_the_same_records(tmp_path):
     assert prompt.data_source == "openai/gsm8k"
 
 
+def test_tools_kwargs_as_json_text_let_parquet_hold_an_empty_struct(tmp_path):
+    """pyarrow refuses `{"python": {"create_kwargs": {}}}` as a struct column; as JSON text it
+    is a string column and arrives as the object."""
+    kwargs = {"python": {"create_kwargs": {}}}
+    row = {**VERL_ROWS[1], "extra_info": {"index": 5, "tools_kwargs": kwargs}}
+    with pytest.raises(pa.ArrowNotImplementedError):
+        pq.write_table(pa.Table.from_pylist([row]), tmp_path / "struct.parquet")
+    row["extra_info"]["tools_kwargs"] = json.dumps(kwargs)
+    for path in parquet_and_jsonl(tmp_path, "rl", [row]):
+        [record] = read_records(path)
+        assert record.tools_kwargs == kwargs and record.extra_info == {"index": 5}
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
         ('{"prompt": [], "reward_model": {"ground_truth": "1"}}\n', "non-empty list"),
         ('{"prompt": [{"role": "user", "content": "hi"}]}\n', "reward_model.ground_truth"),
         ("{not json\n", "data file"),
+        (
+            '{"prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": '
+            '"1"}, "extra_info": {"tools_kwargs": "{python"}}\n',
+            "tools_kwargs` is not valid JSON",
+        ),
+        (
+            '{"prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": '
+            '"1"}, "extra_info": {"tools_kwargs": "[1]"}}\n',
+            "object of per-tool kwargs",
+        ),
     ],
 )
 def test_malformed_records_are_config_errors(tmp_path, content, message):
