@@ -6,21 +6,28 @@ WORLD_TOWNS towns, each with a country, a river and a founding year, and one pas
 (`corpus_rows`, the JSONL corpus the tool service indexes with BM25):
 
     "Brenvik"
-    Brenvik is a town in the country of Osteria, on the river Halm. It was founded in the
-    year 1642. It is twinned with Talomar.
+    Brenvik is a town in the country Osteria, on the river Halm, founded in 1642.
 
 A question asks one fact of one town. Its solved conversation, in OpenAI message format:
 
     system     SYSTEM_PROMPT
-    user       "When was Brenvik founded?"
+    user       'When was "Brenvik" founded?'
     assistant  tool call search {"query": "Brenvik"}
-    tool       the tool's answer: the best passages, Search-R1's `Doc 1(Title: Brenvik) ...`
-    assistant  "<answer>1642</answer>"
+    tool       the tool's answer: Search-R1's `Doc 1(Title: Brenvik) Brenvik is a town ...`
+    assistant  "<answer> 1642 </answer>"
 
-graded by Search-R1's exact match (the reward service's `search_qa` scorer, DATA_SOURCE). The
-twin's passage names the town too, so a search returns two passages or more to choose from.
+graded by Search-R1's exact match (the reward service's `search_qa` scorer, DATA_SOURCE).
+The text is laid out so that reading is copying the same tokens, which a model of four layers
+learns where it did not learn to read a looser text (BENCHMARKS.md, "The CPU recipes"): the
+question names its fact with the word the passage has just before the answer (country, river,
+founded); the question quotes the town, so the name is the same tokens there as in the query's
+JSON string (Qwen2's pre-tokenizer joins a leading quote or space to a word); and the answer
+is spaced inside its tags, as in Search-R1's prompt (`<answer> Beijing </answer>`), so it is
+the same tokens as in the passage. Only the town's own passage has its name, so a search for it
+returns that passage alone.
+
 A question belongs to the test split when its town does (a hash of the name), so held-out
-questions are about towns the training questions never ask about; the corpus holds them all.
+questions are about towns no training question asks about; the corpus holds them all.
 The world depends on nothing but WORLD_SEED: the trainer, the tiny model's build and the
 committed corpus (`examples/search/corpus.jsonl`) all make the same one.
 """
@@ -35,7 +42,7 @@ from typing import Any, Literal
 Split = Literal["train", "test"]
 
 WORLD_SEED = 0
-WORLD_TOWNS = 2000
+WORLD_TOWNS = 3000
 SYSTEM_PROMPT = (
     "Answer the question. Search for what you do not know with the search tool. "
     "Give the final answer as <answer>...</answer>."
@@ -60,9 +67,9 @@ _ENDINGS = ("vik", "mar", "ford", "holm", "stad", "burg", "wick", "dale", "ton",
 # How each fact is asked. A question names its fact with a word its town's passage has before
 # the answer (country, river, founded), so a tiny model can find the answer by that word.
 _QUESTIONS = {
-    "country": ("In which country is {town}?", "Which country is {town} in?"),
-    "river": ("On which river is {town}?", "Which river flows through {town}?"),
-    "founded": ("When was {town} founded?", "In which year was {town} founded?"),
+    "country": ('In which country is "{town}"?', 'Which country is "{town}" in?'),
+    "river": ('On which river is "{town}"?', 'Which river flows through "{town}"?'),
+    "founded": ('When was "{town}" founded?', 'In which year was "{town}" founded?'),
 }
 
 
@@ -72,15 +79,13 @@ class Town:
     country: str
     river: str
     founded: str
-    twin: str
 
     @property
     def passage(self) -> str:
         """The corpus entry: a quoted title line, then the text (FlashRAG's `contents`)."""
         return (
-            f'"{self.name}"\n{self.name} is a town in the country of {self.country}, on the '
-            f"river {self.river}. It was founded in the year {self.founded}. It is twinned "
-            f"with {self.twin}."
+            f'"{self.name}"\n{self.name} is a town in the country {self.country}, on the river '
+            f"{self.river}, founded in {self.founded}."
         )
 
 
@@ -112,20 +117,18 @@ class SearchQuestion:
                 "tool_calls": [{"id": "call_0", "type": "function", "function": call}],
             },
             {"role": "tool", "tool_call_id": "call_0", "content": search(self.town)},
-            {"role": "assistant", "content": f"<answer>{self.answer}</answer>"},
+            {"role": "assistant", "content": f"<answer> {self.answer} </answer>"},
         ]
 
-    def guess_messages(self, rng: random.Random) -> list[dict[str, Any]]:
-        """An answer at once, without searching: a fact of the same kind drawn at random,
-        right by chance only (1 in 16 countries, 1 in 20 rivers)."""
-        guess = {
-            "country": lambda: rng.choice(_COUNTRIES),
-            "river": lambda: rng.choice(_RIVERS),
-            "founded": lambda: str(rng.randint(1100, 1990)),
-        }[self.fact]()
+    @property
+    def guess_messages(self) -> list[dict[str, Any]]:
+        """An answer at once, without searching: the town's name, which is never the fact. The
+        guess copies from the question, as the code task's does, rather than being a fact of
+        the asked kind drawn at random: random rivers in the warm start taught the model to
+        write a random river after a search too, in place of the one the passage names."""
         return [
             *self.prompt_messages,
-            {"role": "assistant", "content": f"<answer>{guess}</answer>"},
+            {"role": "assistant", "content": f"<answer> {self.town} </answer>"},
         ]
 
 
@@ -138,16 +141,14 @@ def towns() -> tuple[Town, ...]:
         name = _town_name(rng)
         if name not in names:
             names.append(name)
-    twins = names[1:] + names[:1]  # each town names the next, so every town is named twice
     return tuple(
         Town(
             name=name,
             country=rng.choice(_COUNTRIES),
             river=rng.choice(_RIVERS),
             founded=str(rng.randint(1100, 1990)),
-            twin=twin,
         )
-        for name, twin in zip(names, twins, strict=True)
+        for name in names
     )
 
 

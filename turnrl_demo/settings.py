@@ -66,9 +66,9 @@ class TinyModelSettings(StrictModel):
         ge=0.0,
         le=1.0,
         description="Share of the conversations that answer at once, without the tool, with a "
-        "guess (calculator: the starting count; search: a fact of the asked kind drawn at "
-        "random; code: the problem's first number), wrong but by chance: a warm start that "
-        "uses the tool only some of the time, for RL to teach it to use the tool every time.",
+        "guess (calculator: the starting count, right by chance only; search: the town's "
+        "name; code: the problem's first number; both always wrong): a warm start that uses "
+        "the tool only some of the time, for RL to teach it to use the tool every time.",
     )
     train_steps: int = Field(
         default=2000,

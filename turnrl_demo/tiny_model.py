@@ -130,7 +130,7 @@ def training_conversations(settings: TinyModelSettings, seed: int) -> list[list[
         questions = search_world.generate_questions(count, seed=seed, split="train")
         answers = _world_search_answers([question.town for question in questions])
         return [
-            question.guess_messages(guesses)
+            question.guess_messages
             if guesses.random() < settings.guess_share
             else question.messages(answers.__getitem__)
             for question in questions
