@@ -22,7 +22,6 @@ from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
 from turnrl_cli.launch_token import LAUNCH_TOKEN_ENV, launch_token_overrides
 from turnrl_cli.model_paths import load_with_tiny_model
 from turnrl_cli.processes import (
-    STARTUP_TIMEOUT_SECONDS,
     LaunchedService,
     ServiceDiedError,
     StartupInterruptedError,
@@ -86,6 +85,7 @@ async def run(config_path: Path, overrides: Sequence[str], resume: bool) -> int:
                         config_yaml=_run_config_yaml(project, services), resume=resume
                     ),
                     supervisor if restarted else None,
+                    project.launcher.startup_timeout_seconds,
                     stop_requested,
                     console,
                 )
@@ -117,13 +117,15 @@ async def _submit_and_follow(
     trainer: ClientConfig,
     request: trainer_pb2.StartRunRequest,
     supervisor: asyncio.Task | None,
+    startup_timeout_seconds: float,
     stop_requested: asyncio.Event,
     console: Console,
 ) -> int:
     """Submits the run (StartRun) and follows it to its end (`follow_run`); 1 when StartRun
     fails. With the `supervisor` of a trainer that this launch starts again when it dies
     (`launcher.restart.trainer`), a trainer lost mid-run gets the run again, with resume,
-    once it is back: the run continues from its last checkpoint. Without, the loss is raised."""
+    once it is back within `startup_timeout_seconds`: the run continues from its last
+    checkpoint. Without, the loss is raised."""
     while True:
         async with rpc.open_channel(trainer) as channel:
             stub = trainer_pb2_grpc.TrainerServiceStub(channel)
@@ -149,18 +151,22 @@ async def _submit_and_follow(
                     "last checkpoint once the trainer is back",
                     soft_wrap=True,
                 )
-        if not await _trainer_back(trainer, supervisor, stop_requested):
+        if not await _trainer_back(trainer, supervisor, startup_timeout_seconds, stop_requested):
             return 1
         request = trainer_pb2.StartRunRequest(config_yaml=request.config_yaml, resume=True)
 
 
 async def _trainer_back(
-    trainer: ClientConfig, supervisor: asyncio.Task, stop_requested: asyncio.Event
+    trainer: ClientConfig,
+    supervisor: asyncio.Task,
+    startup_timeout_seconds: float,
+    stop_requested: asyncio.Event,
 ) -> bool:
-    """Waits until the restarted trainer is SERVING again at its address; False when its
-    supervisor gave up on it, or Ctrl-C came, first."""
+    """Waits until the restarted trainer is SERVING again at its address, as long as its
+    start may take (`launcher.startup_timeout_seconds`, which its supervisor allows it too);
+    False when its supervisor gave up on it, or Ctrl-C came, first."""
     back = asyncio.ensure_future(
-        rpc.wait_until_serving(trainer, timeout_seconds=STARTUP_TIMEOUT_SECONDS)
+        rpc.wait_until_serving(trainer, timeout_seconds=startup_timeout_seconds)
     )
     stopped = asyncio.ensure_future(stop_requested.wait())
     await asyncio.wait([back, supervisor, stopped], return_when=asyncio.FIRST_COMPLETED)
