@@ -22,11 +22,12 @@ from google.protobuf import json_format
 
 from trainer_svc.config import DataConfig
 from turnrl import calculator_data, code_problems, search_world
-from turnrl.calculator_data import TOOLS, CalculatorProblem, Split
+from turnrl.calculator_data import TOOLS, CalculatorProblem
 from turnrl.code_problems import CodeProblem
 from turnrl.errors import ConfigError
 from turnrl.messages import ROLES_BY_NAME, dict_to_message
 from turnrl.search_world import SearchQuestion
+from turnrl.splits import Split
 from turnrl.v1 import rollout_pb2
 
 # The data source of each generated task's prompts, which picks the reward service's scorer.

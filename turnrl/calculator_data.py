@@ -22,17 +22,16 @@ The train and test splits never share a question: a question belongs to the spli
 picks, and each split draws from its own seeded stream.
 """
 
-import hashlib
 import random
 import re
 from dataclasses import dataclass
-from typing import Any, Literal, Self
+from typing import Any, Self
 
 from pydantic import Field, model_validator
 
 from turnrl.config import StrictModel
-
-Split = Literal["train", "test"]
+from turnrl.messages import openai_tool_call
+from turnrl.splits import Split, check_split, split_of
 
 SYSTEM_PROMPT = "Solve the problem with the calculator tool. End with '#### <answer>'."
 # The calculator tool's schema, the one place it is written: tool_svc's `calculator` serves it
@@ -54,9 +53,6 @@ CALCULATOR_TOOL: dict[str, Any] = {
     },
 }
 TOOLS = [CALCULATOR_TOOL]
-# One question in TEST_SHARE_BUCKETS of BUCKETS belongs to the test split.
-BUCKETS = 10
-TEST_SHARE_BUCKETS = 1
 MAX_DRAWS_PER_PROBLEM = 100
 
 _NAMES = {
@@ -151,12 +147,11 @@ def generate_problems(
     Raises ValueError for an unknown split, or when `settings` allow too few distinct questions
     to draw `count` of them.
     """
-    if split not in ("train", "test"):
-        raise ValueError(f"unknown split {split!r}; expected 'train' or 'test'")
+    check_split(split)
     settings = settings or ProblemSettings()
     rng = random.Random(f"{split}:{seed}")
     problems: dict[str, CalculatorProblem] = {}
-    # Each draw lands in the split with probability >= 1/BUCKETS; this many draws without
+    # Each draw lands in the split with probability >= 1/splits.BUCKETS; this many draws without
     # enough new questions means the settings leave too few distinct ones.
     for _ in range(MAX_DRAWS_PER_PROBLEM * count):
         if len(problems) == count:
@@ -169,12 +164,6 @@ def generate_problems(
             f"found {len(problems)} distinct {split} questions, not {count}; widen {settings}"
         )
     return list(problems.values())
-
-
-def split_of(question: str) -> Split:
-    """The split a question belongs to, fixed by its text."""
-    bucket = hashlib.blake2b(question.encode(), digest_size=8).digest()[0] % BUCKETS
-    return "test" if bucket < TEST_SHARE_BUCKETS else "train"
 
 
 def final_answer(text: str) -> str | None:
@@ -263,14 +252,8 @@ def _conversation(question: str, calls: list[tuple[str, int]]) -> list[dict[str,
     ]
     for index, (expression, result) in enumerate(calls):
         call_id = f"call_{index}"
-        function = {"name": "calculator", "arguments": {"expression": expression}}
-        messages.append(
-            {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [{"id": call_id, "type": "function", "function": function}],
-            }
-        )
+        call = openai_tool_call(call_id, "calculator", {"expression": expression})
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         messages.append({"role": "tool", "tool_call_id": call_id, "content": str(result)})
     messages.append({"role": "assistant", "content": f"#### {calls[-1][1]}"})
     return messages

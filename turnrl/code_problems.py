@@ -16,20 +16,17 @@ graded by final-answer correctness (the reward service's `math` scorer, DATA_SOU
 reward. The train and test splits never share a question (a hash of its text picks its split).
 """
 
-import hashlib
 import random
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-Split = Literal["train", "test"]
+from turnrl.messages import openai_tool_call
+from turnrl.splits import Split, check_split, split_of
 
 SYSTEM_PROMPT = (
     "Solve the problem. Compute with the python tool, then give the final answer as \\boxed{...}."
 )
 DATA_SOURCE = "turnrl_code"
-# One question in TEST_SHARE_BUCKETS of BUCKETS belongs to the test split.
-BUCKETS = 10
-TEST_SHARE_BUCKETS = 1
 
 
 @dataclass(frozen=True)
@@ -82,13 +79,12 @@ class CodeProblem:
     def messages(self) -> list[dict[str, Any]]:
         """The solved conversation. The tool's answer is the code's stdout, as the `python`
         tool returns it (tests check it against the tool)."""
-        call = {"name": "python", "arguments": {"code": self.code}}
         return [
             *self.prompt_messages,
             {
                 "role": "assistant",
                 "content": "I will compute it.",
-                "tool_calls": [{"id": "call_0", "type": "function", "function": call}],
+                "tool_calls": [openai_tool_call("call_0", "python", {"code": self.code})],
             },
             {"role": "tool", "tool_call_id": "call_0", "content": f"{self.answer}\n"},
             {
@@ -110,8 +106,7 @@ class CodeProblem:
 def generate_problems(count: int, *, seed: int = 0, split: Split = "train") -> list[CodeProblem]:
     """`count` distinct problems of `split`, the same for the same arguments on every run.
     Raises ValueError for an unknown split."""
-    if split not in ("train", "test"):
-        raise ValueError(f"unknown split {split!r}; expected 'train' or 'test'")
+    check_split(split)
     rng = random.Random(f"code:{split}:{seed}")
     problems: dict[str, CodeProblem] = {}
     while len(problems) < count:
@@ -119,12 +114,6 @@ def generate_problems(count: int, *, seed: int = 0, split: Split = "train") -> l
         if split_of(problem.question) == split:
             problems.setdefault(problem.question, problem)
     return list(problems.values())
-
-
-def split_of(question: str) -> Split:
-    """The split a question belongs to, fixed by its text."""
-    bucket = hashlib.blake2b(question.encode(), digest_size=8).digest()[0] % BUCKETS
-    return "test" if bucket < TEST_SHARE_BUCKETS else "train"
 
 
 def _draw_problem(rng: random.Random) -> CodeProblem:

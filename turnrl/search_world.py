@@ -33,13 +33,13 @@ committed corpus (`examples/search/corpus.jsonl`) all make the same one.
 """
 
 import functools
-import hashlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-Split = Literal["train", "test"]
+from turnrl.messages import openai_tool_call
+from turnrl.splits import Split, check_split, split_of
 
 WORLD_SEED = 0
 WORLD_TOWNS = 3000
@@ -48,9 +48,6 @@ SYSTEM_PROMPT = (
     "Give the final answer as <answer>...</answer>."
 )
 DATA_SOURCE = "turnrl_search"
-# One town in TEST_SHARE_BUCKETS of BUCKETS belongs to the test split.
-BUCKETS = 10
-TEST_SHARE_BUCKETS = 1
 
 _COUNTRIES = (
     "Osteria", "Valdmark", "Korvania", "Lunessa", "Thalgor", "Merovia", "Pellandia", "Zanthor",
@@ -108,13 +105,12 @@ class SearchQuestion:
 
     def messages(self, search: Callable[[str], str]) -> list[dict[str, Any]]:
         """The solved conversation; `search(query)` is the tool's answer to a query."""
-        call = {"name": "search", "arguments": {"query": self.town}}
         return [
             *self.prompt_messages,
             {
                 "role": "assistant",
                 "content": "",
-                "tool_calls": [{"id": "call_0", "type": "function", "function": call}],
+                "tool_calls": [openai_tool_call("call_0", "search", {"query": self.town})],
             },
             {"role": "tool", "tool_call_id": "call_0", "content": search(self.town)},
             {"role": "assistant", "content": f"<answer> {self.answer} </answer>"},
@@ -162,8 +158,7 @@ def generate_questions(
 ) -> list[SearchQuestion]:
     """`count` distinct questions about the towns of `split`, drawn from `seed`, the same on
     every run. Raises ValueError for an unknown split or more questions than the split has."""
-    if split not in ("train", "test"):
-        raise ValueError(f"unknown split {split!r}; expected 'train' or 'test'")
+    check_split(split)
     every = [
         (town, fact) for town in towns() if split_of(town.name) == split for fact in _QUESTIONS
     ]
@@ -179,12 +174,6 @@ def generate_questions(
         )
         for town, fact in rng.sample(every, count)
     ]
-
-
-def split_of(town: str) -> Split:
-    """The split of a town's questions, fixed by its name."""
-    bucket = hashlib.blake2b(town.encode(), digest_size=8).digest()[0] % BUCKETS
-    return "test" if bucket < TEST_SHARE_BUCKETS else "train"
 
 
 def _town_name(rng: random.Random) -> str:

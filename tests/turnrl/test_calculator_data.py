@@ -4,12 +4,8 @@ without overlap, solved exactly by the calculator tool, and the final-answer par
 import pytest
 
 from tool_svc.tools.calculator import CalculatorOptions, CalculatorTool, format_value
-from turnrl.calculator_data import (
-    ProblemSettings,
-    final_answer,
-    generate_problems,
-    split_of,
-)
+from turnrl.calculator_data import ProblemSettings, final_answer, generate_problems
+from turnrl.splits import split_of
 
 
 def test_problems_are_deterministic_per_seed():
