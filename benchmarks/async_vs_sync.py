@@ -1,10 +1,11 @@
 """The async trainer loop against the sync one, on the calculator task with slow tools.
 
 Starts the four services once (`turnrl up`: the demo's tiny calculator model on the hf engine,
-64 requests a decode step, one torch thread a service so that the engine and the trainer can
-each keep one of two cores), the calculator behind the rollout benchmark's heavy-tailed wait
-(lognormal, median 50 ms, p99 1 s, drawn per call), then runs on the trainer service, one after
-another and from the same starting model, seed and data:
+64 requests a decode step, one torch thread a service (`--threads`, given to the services as
+OMP_NUM_THREADS) so that the engine and the trainer can each keep one of two cores), the
+calculator behind the rollout benchmark's heavy-tailed wait (lognormal, median 50 ms, p99 1 s,
+drawn per call), then runs on the trainer service, one after another and from the same
+starting model, seed and data:
   sync                trainer.loop sync
   async_eta1          loop async, max_staleness 1, decoupled PPO with token-level TIS (cap 2)
   async_eta4          max_staleness 4, the same correction
@@ -27,7 +28,7 @@ Pause-to-Resume time of each push in async_eta4_overlap (where a push pauses gen
 elsewhere the engine is paused for the whole update already), against a raw gloo broadcast of the
 same bytes between two processes.
 
-    .venv/bin/python benchmarks/async_vs_sync.py [--steps 10] [--prompts 8] [--samples 8]  # ~5 min
+    .venv/bin/python benchmarks/async_vs_sync.py [--steps 10] [--prompts 8] [--samples 8]  # ~7 min
 
 The last line printed is one JSON object with the headline figures.
 """
@@ -38,7 +39,6 @@ import contextlib
 import itertools
 import json
 import os
-import re
 import signal
 import socket
 import statistics
@@ -48,7 +48,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import smoke_mode
 import yaml
+from child_processes import async_child, child
 from rollout_async_vs_batch import (
     MODEL_SETTINGS,
     PROBLEMS,
@@ -63,11 +65,11 @@ from tool_svc.tools.calculator import CalculatorTool
 from turnrl import rpc
 from turnrl.config import REPO_ROOT, ClientConfig
 from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
+from turnrl_cli.up_table import UP_READY_LINE, UpRow, up_row
 from turnrl_demo.settings import TinyModelSettings
 from turnrl_demo.tiny_model import build_tiny_model
 
 EXAMPLE = REPO_ROOT / "examples" / "calculator" / "config.yaml"
-UP_TABLE_ROW = re.compile(r"(tool|reward|rollout|trainer)\s*│\s*(127\.0\.0\.1:\d+)\s*│\s*(\d+)")
 
 
 def async_variant(
@@ -94,6 +96,8 @@ VARIANTS = {
     "async_eta4_overlap": async_variant(4, generate_while_training=True),
 }
 RAW_BROADCASTS = 9
+# `turnrl up` stops its four services one after another, each within its shutdown grace.
+UP_STOP_SECONDS = 120.0
 
 
 class DelayedCalculator(CalculatorTool):
@@ -140,7 +144,7 @@ def project_config(args: argparse.Namespace, output_dir: Path, delayed: bool) ->
 @contextlib.asynccontextmanager
 async def services(project: dict[str, Any], folder: Path, threads: int):
     """`turnrl up` on free ports with `project` (`threads` torch threads a service, 0 for
-    torch's default); yields each service's address."""
+    torch's default); yields each service's row of its table. Stops them however it ends."""
     config = folder / "services.yaml"
     config.write_text(yaml.safe_dump(project))
     ports = [f"{name}.server.port=0" for name in ("tool", "reward", "rollout", "trainer")]
@@ -149,25 +153,24 @@ async def services(project: dict[str, Any], folder: Path, threads: int):
         **os.environ,
         "PYTHONPATH": f"{Path(__file__).parent}:{os.environ.get('PYTHONPATH', '')}",
     }
-    log = (folder / "services.log").open("w")
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "turnrl_cli", "up", "--config", str(config), *ports,
-        stdout=subprocess.PIPE, stderr=log, env=env,
-    )  # fmt: skip
-    addresses: dict[str, str] = {}
-    async for line in process.stdout:
-        if match := UP_TABLE_ROW.search(line.decode()):
-            addresses[match.group(1)] = match.group(2)
-        if b"Ctrl-C stops them" in line:
-            break
-    if len(addresses) != 4:
-        raise RuntimeError(f"turnrl up failed; see {log.name}")
-    try:
-        yield addresses
-    finally:
-        process.send_signal(signal.SIGINT)
-        await process.wait()
-        log.close()
+    if threads:  # the services inherit up's environment; torch sizes its thread pool from it
+        env["OMP_NUM_THREADS"] = str(threads)
+    with (folder / "services.log").open("w") as log:
+        up = [sys.executable, "-m", "turnrl_cli", "up", "--config", str(config), *ports]
+        # SIGINT: up stops its services in order; die_with_parent takes them down with up.
+        async with async_child(
+            *up, stop_signal=signal.SIGINT, grace_seconds=UP_STOP_SECONDS,
+            stdout=subprocess.PIPE, stderr=log, env=env,
+        ) as process:  # fmt: skip
+            rows: dict[str, UpRow] = {}
+            async for line in process.stdout:
+                if row := up_row(line.decode()):
+                    rows[row.name] = row
+                if UP_READY_LINE in line.decode():
+                    break
+            if len(rows) != 4:
+                raise RuntimeError(f"turnrl up listed {sorted(rows)}; see {log.name}")
+            yield rows
 
 
 async def run(addresses: dict[str, str], project: dict[str, Any], name: str, variant: dict):
@@ -228,14 +231,15 @@ def raw_broadcast_seconds(size_bytes: int) -> float:
     with contextlib.closing(socket.socket()) as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    receiver = subprocess.Popen(
-        [sys.executable, str(Path(__file__).parent / "weight_push.py"),
-         "--raw-receiver", f"{size_bytes},{RAW_BROADCASTS},{port}"],
-    )  # fmt: skip
-    group, buffer = raw_group(size_bytes, 0, port)
-    seconds = [broadcast_and_barrier(group, buffer) for _ in range(RAW_BROADCASTS)]
-    group.shutdown()
-    receiver.wait(timeout=60)
+    receiver = [
+        sys.executable, str(Path(__file__).parent / "weight_push.py"),
+        "--raw-receiver", f"{size_bytes},{RAW_BROADCASTS},{port}",
+    ]  # fmt: skip
+    with child(receiver) as process:
+        group, buffer = raw_group(size_bytes, 0, port)
+        seconds = [broadcast_and_barrier(group, buffer) for _ in range(RAW_BROADCASTS)]
+        group.shutdown()
+        process.wait(timeout=60)
     return statistics.median(seconds)
 
 
@@ -271,14 +275,17 @@ async def main() -> None:
         "--threads",
         type=int,
         default=1,
-        help="torch threads per service (0: torch's default, one per core): one lets the "
-        "engine and the trainer each keep a core of two",
+        help="torch threads per service, set as OMP_NUM_THREADS in the environment `turnrl up` "
+        "and its services start with (0: torch's default, one per core): one lets the engine "
+        "and the trainer each keep a core of two",
     )
     parser.add_argument(
         "--max-batch-size", type=int, default=64, help="the hf engine's running requests"
     )
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
-    args = parser.parse_args()
+    args = smoke_mode.parse_args(
+        parser, {"steps": 1, "prompts": 2, "samples": 2, "eval_prompts": 2}
+    )
     samples_per_step = args.prompts * args.samples
     results: dict[str, dict] = {}
     records: dict[str, list[dict]] = {}
@@ -286,7 +293,8 @@ async def main() -> None:
         chosen = {name: VARIANTS[name] for name in args.variants}
         for delayed, variants in ((False, {"bound": VARIANTS["sync"]}), (True, chosen)):
             project = project_config(args, Path(folder) / "runs", delayed)
-            async with services(project, Path(folder), args.threads) as addresses:
+            async with services(project, Path(folder), args.threads) as rows:
+                addresses = {name: row.address for name, row in rows.items()}
                 for name, variant in variants.items():
                     records[name] = await run(addresses, project, name, variant)
                     results[name] = figures(records[name], samples_per_step)

@@ -12,26 +12,15 @@ The last line printed is one JSON object with the headline figures.
 import argparse
 import asyncio
 import json
-import sys
 import time
 
+import smoke_mode
+from child_processes import served
 from google.protobuf import json_format
 
 from turnrl import rpc
 from turnrl.config import ClientConfig, fixtures_dir
 from turnrl.v1 import reward_pb2, reward_pb2_grpc
-
-
-async def start_service(workers: int) -> tuple[asyncio.subprocess.Process, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "turnrl_cli", "--log-level", "WARNING", "serve", "reward", "--port", "0",
-        f"reward.workers={workers}", "reward.max_concurrency=512",
-        stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    while line := (await process.stdout.readline()).decode():
-        if line.startswith("serving "):
-            return process, line.split()[-1]
-    raise RuntimeError("reward service did not start")
 
 
 def gsm8k_items(count: int) -> list[reward_pb2.ScoringInput]:
@@ -74,17 +63,19 @@ async def main() -> None:
     parser.add_argument("--gsm8k-items", type=int, default=20_000)
     parser.add_argument("--math-items", type=int, default=2_000)
     parser.add_argument("--workers", type=int, default=2, help="scorer worker processes")
-    args = parser.parse_args()
-    process, address = await start_service(args.workers)
-    try:
-        async with rpc.open_channel(ClientConfig(address=address)) as channel:
-            stub = reward_pb2_grpc.RewardServiceStub(channel)
-            await items_per_second(stub, gsm8k_items(200))  # warm-up
-            gsm8k_rate, gsm8k_mean = await items_per_second(stub, gsm8k_items(args.gsm8k_items))
-            math_rate, math_mean = await items_per_second(stub, math_items(args.math_items))
-    finally:
-        process.terminate()
-        await process.wait()
+    parser.add_argument("--warmup-items", type=int, default=200)
+    args = smoke_mode.parse_args(
+        parser, {"gsm8k_items": 100, "math_items": 20, "workers": 1, "warmup_items": 10}
+    )
+    overrides = [f"reward.workers={args.workers}", "reward.max_concurrency=512"]
+    async with (
+        served("reward", *overrides) as (_, address),
+        rpc.open_channel(ClientConfig(address=address)) as channel,
+    ):
+        stub = reward_pb2_grpc.RewardServiceStub(channel)
+        await items_per_second(stub, gsm8k_items(args.warmup_items))
+        gsm8k_rate, gsm8k_mean = await items_per_second(stub, gsm8k_items(args.gsm8k_items))
+        math_rate, math_mean = await items_per_second(stub, math_items(args.math_items))
     assert gsm8k_mean == 1.0 and math_mean == 1.0, (gsm8k_mean, math_mean)
     print(f"gsm8k: {gsm8k_rate:.0f} items/s ({args.gsm8k_items} gold solutions, all scored 1.0)")
     print(f"math-verify: {math_rate:.0f} items/s ({args.math_items} distinct boxed fractions)")

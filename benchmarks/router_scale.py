@@ -1,233 +1,72 @@
-"""Rollout router scale-out: throughput against the number of rollout replicas, and the router's
-own time per trajectory.
+"""Rollout router scale-out: throughput against the number of rollout replicas, how close the
+router's dispatch comes to the best balance of uneven work, and the router's own time per
+trajectory.
 
-The replicas are stand-ins that speak the real RolloutService protocol, all hosted by one child
-process (one gRPC server each, on 127.0.0.1, one event loop), so that the router's process has
-its CPU to itself. A stand-in's engine batches continuously: at most `--batch` trajectories
-decode at once, a decode step costs `--step-ms` of waiting whatever the batch holds, and a
-trajectory finishes after `--tokens` steps (the others wait for a slot in arrival order). One
-replica therefore finishes batch / (tokens x step) trajectories a second, and N replicas
-ideally N times that. A finished trajectory streams back as a valid Trajectory proto: a prompt
-segment of `--prompt-tokens` tokens, a model segment of `--tokens` tokens with logprobs, masks,
-messages, a reward.
+The replicas are stand-ins (`stand_in_replicas.py`): they speak the real RolloutService
+protocol, all hosted by one child process, and their engines only keep time: at most `--batch`
+trajectories decode at once, a decode step costs `--step-ms` of waiting whatever the batch
+holds. A finished trajectory streams back as a valid Trajectory proto: a prompt segment of
+`--prompt-tokens` tokens, a model segment of `--tokens` tokens with logprobs, masks, messages,
+a reward (the same reply whatever the trajectory's length).
 
 For each N in `--replicas`, a RolloutRouter over the first N replicas gets N x batch x
 `--waves` trajectories as groups of `--samples`, one `generate` call per group and all in
-flight at once (the async trainer loop's shape). Throughput is trajectories / wall time;
-efficiency is throughput(N) / (N x throughput(1)). The router's time is measured two ways:
-the time its coroutines (`generate` and each replica's call) spend running on the event loop,
-which is its dispatch, grpc's Python side of reading and parsing each reply and
-`Trajectory.from_proto`; and the whole router process's CPU time (grpc's C threads and the
-event loop included). Where the wall time goes past the ideal shows in three figures: the
-start (until the last replica began decoding), the tail (from the last decode step to the last
-trajectory back), and the decode step as the replicas measured it (their one process falls
-behind when it has more to do than a step's time allows). Each N runs `--repeats` times,
-interleaved; the figures are medians.
+flight at once (the async trainer loop's shape). Two workloads, each on its own replicas:
+  even    every trajectory `--tokens` steps, every replica the same speed: all replicas get
+          the same work, so what is lost measures the router's overhead alone;
+  uneven  heavy-tailed lengths (lognormal, median `--tokens`, sigma `--length-sigma`, capped
+          at 8x) and replicas of unequal speed (every second replica's step `--slow-factor`
+          times as long): what is lost also measures dispatch.
+Figures, named for what they measure:
+  scaling          even work: throughput(N) / (N x throughput(1)); below 1 by the router's
+                   overhead (and the stand-ins' process falling behind);
+  best_over_wall   best wall time / measured wall time. The best wall time is a lower bound
+                   on any dispatch of the same work to the same replicas: the larger of the
+                   whole work (decode steps of all trajectories) over the replicas' summed
+                   capacity (batch / step time each), and the longest trajectory at the
+                   fastest replica's step. On uneven work, how close dispatch comes to the
+                   best balance.
+The router's time is measured two ways: the time its coroutines (`generate` and each replica's
+call) spend running on the event loop, which is its dispatch, grpc's Python side of reading and
+parsing each reply and `Trajectory.from_proto`; and the whole router process's CPU time (grpc's
+C threads and the event loop included). Where the wall time goes past the best shows in three
+figures: the start (until the last replica began decoding), the tail (from the last replica's
+last decode step to the last trajectory back), and the decode step as the replicas measured it
+(their one process falls behind when it has more to do than a step's time allows). Each N runs
+`--repeats` times, interleaved; the figures are medians.
 
     .venv/bin/python benchmarks/router_scale.py [--replicas 1,2,4,8,16,32,64] [--step-ms 20]
-        [--tokens 32] [--batch 16] [--samples 8]      # about 1 min
+        [--tokens 32] [--batch 16] [--samples 8] [--length-sigma 1] [--slow-factor 2]  # ~5 min
 
 The last line printed is one JSON object with the headline figures.
 """
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass
 
+import smoke_mode
+from child_processes import async_child
+from stand_in_replicas import QUESTION, replica_step_seconds, serve_replicas, trajectory_steps
+
 from trainer_svc.rollout_router import RolloutRouter
-from turnrl import rpc
-from turnrl.config import ClientConfig, ServerConfig
-from turnrl.trajectory import FinishReason, Segment, SegmentSource, Trajectory
-from turnrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from turnrl.config import ClientConfig
+from turnrl.v1 import common_pb2, rollout_pb2
 
-QUESTION = "What is 2+3?"
 RUN_TIMEOUT_SECONDS = 300.0
-
-
-# ------------------------------- the stand-in replicas (child) -------------------------------
-
-
-@dataclass(eq=False)
-class Job:
-    """One trajectory on a stand-in engine."""
-
-    prompt: rollout_pb2.RolloutPrompt
-    sample_index: int
-    done: asyncio.Queue  # its Generate call's: the job goes there when finished
-    steps_left: int
-    cancelled: bool = False
-
-
-class SteppedEngine:
-    """Continuous batching at a fixed cost per decode step: up to `batch` jobs decode together,
-    each step waits `step_seconds` whatever the batch holds, a job is done after `tokens`
-    steps."""
-
-    def __init__(self, batch: int, tokens: int, step_seconds: float) -> None:
-        self.batch, self.tokens, self.step_seconds = batch, tokens, step_seconds
-        self._waiting: deque[Job] = deque()
-        self._running: list[Job] = []
-        self._work = asyncio.Event()
-        self.steps = 0
-        self.step_seconds_total = 0.0  # as measured: lateness of the event loop included
-        self.slot_steps = 0  # sum over steps of the jobs decoding
-        self.finished = 0
-        # When it last went from idle to busy, and back (loop.time(): time.monotonic()).
-        self.busy_since = self.idle_since = 0.0
-
-    def submit(self, job: Job) -> None:
-        self._waiting.append(job)
-        self._work.set()
-
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._work.wait()
-            self.busy_since = deadline = loop.time()
-            while self._waiting or self._running:
-                while self._waiting and len(self._running) < self.batch:
-                    job = self._waiting.popleft()
-                    if not job.cancelled:
-                        self._running.append(job)
-                started = loop.time()
-                # Steps keep to a fixed schedule: a timer that fires late shortens the next
-                # wait, so the mean step stays `step_seconds` unless this process falls behind
-                # by a whole step (then it counts from now).
-                if started - deadline > self.step_seconds:
-                    deadline = started
-                deadline += self.step_seconds
-                await asyncio.sleep(deadline - started)
-                self.steps += 1
-                self.step_seconds_total += loop.time() - started
-                self.slot_steps += len(self._running)
-                still_running = []
-                for job in self._running:
-                    job.steps_left -= 1
-                    if job.cancelled:
-                        continue
-                    if job.steps_left:
-                        still_running.append(job)
-                    else:
-                        self.finished += 1
-                        job.done.put_nowait(job)
-                self._running = still_running
-            self._work.clear()  # no await since the loop's check: nothing new was submitted
-            self.idle_since = loop.time()
-
-
-class StandInRolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    """Generate through a SteppedEngine; GetStats reports its counts; Pause and Resume do
-    nothing. Other RPCs are the base class's UNIMPLEMENTED."""
-
-    def __init__(self, engine: SteppedEngine, template: common_pb2.Trajectory) -> None:
-        self._engine = engine
-        # Every reply is this trajectory with new ids: the stand-in's own cost per trajectory
-        # (it shares two cores with the router) stays small.
-        self._template = template
-
-    async def Generate(self, request, context):
-        finished: asyncio.Queue[Job] = asyncio.Queue()
-        jobs = [
-            Job(prompt, index, finished, self._engine.tokens)
-            for prompt in request.prompts
-            for index in range(request.n)
-        ]
-        for job in jobs:
-            self._engine.submit(job)
-        try:
-            for _ in jobs:
-                job = await finished.get()
-                reply = rollout_pb2.GenerateResponse(trajectory=self._template)
-                reply.trajectory.group_id = job.prompt.prompt_id
-                reply.trajectory.trajectory_id = f"{job.prompt.prompt_id}/{job.sample_index}"
-                reply.trajectory.sample_index = job.sample_index
-                yield reply
-        finally:  # also when the caller goes away: frees the slots of what is left
-            for job in jobs:
-                job.cancelled = True
-
-    async def GetStats(self, request, context):
-        engine = self._engine
-        return rollout_pb2.GetStatsResponse(
-            engine="stand-in",
-            finished_trajectories=engine.finished,
-            metrics={
-                "steps": engine.steps,
-                "step_seconds": engine.step_seconds_total,
-                "slot_steps": engine.slot_steps,
-                "busy_since": engine.busy_since,
-                "idle_since": engine.idle_since,
-                "process_cpu_seconds": time.process_time(),  # the child's, all replicas
-            },
-        )
-
-    async def Pause(self, request, context):
-        return rollout_pb2.PauseResponse()
-
-    async def Resume(self, request, context):
-        return rollout_pb2.ResumeResponse()
-
-
-def stand_in_trajectory(prompt_tokens: int, tokens: int) -> common_pb2.Trajectory:
-    """A finished trajectory of a `prompt_tokens`-token prompt and a `tokens`-token answer."""
-    return Trajectory(
-        trajectory_id="template/0",
-        group_id="template",
-        sample_index=0,
-        segments=[
-            Segment(SegmentSource.PROMPT, list(range(1, prompt_tokens + 1))),
-            Segment(SegmentSource.MODEL, [101 + 7 * i for i in range(tokens)], [-0.5] * tokens),
-        ],
-        messages=[
-            {"role": "user", "content": QUESTION},
-            {"role": "assistant", "content": "5"},
-        ],
-        finish_reason=FinishReason.STOP,
-        data_source="stand_in",
-        metrics={"model_tokens": float(tokens)},
-        reward=common_pb2.Reward(score=1.0),
-    ).to_proto()
-
-
-async def serve_replicas(count: int, args: argparse.Namespace) -> None:
-    """Starts `count` stand-in replicas, prints their addresses comma-separated on one line,
-    and serves until stdin closes (the parent closes it, or dies)."""
-    engines = [SteppedEngine(args.batch, args.tokens, args.step_ms / 1000) for _ in range(count)]
-    template = stand_in_trajectory(args.prompt_tokens, args.tokens)
-    descriptor = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]
-    servers = [
-        await rpc.start_server(
-            ServerConfig(port=0),
-            descriptor,
-            lambda server, engine=engine: rollout_pb2_grpc.add_RolloutServiceServicer_to_server(
-                StandInRolloutServicer(engine, template), server
-            ),
-        )
-        for engine in engines
-    ]
-    engine_loops = [asyncio.create_task(engine.run()) for engine in engines]
-    print(",".join(f"127.0.0.1:{s.port}" for s in servers), flush=True)
-    await asyncio.to_thread(sys.stdin.read)
-    for engine_loop in engine_loops:
-        engine_loop.cancel()
-    await asyncio.gather(*engine_loops, return_exceptions=True)
-    for server in servers:
-        await rpc.stop_server(server, grace_seconds=0)
-
-
-# -------------------------------------- the router (parent) ----------------------------------
+STAND_INS_STOP_SECONDS = 10.0
 
 
 class TimedRouter(RolloutRouter):
     """A RolloutRouter that adds up the time its coroutines spend running, and `_assign`'s."""
 
-    def __init__(self, config: ClientConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: ClientConfig, **kwargs) -> None:
+        super().__init__(config, **kwargs)
         self.running_seconds = 0.0
         self.assign_seconds = 0.0
 
@@ -275,6 +114,7 @@ class Run:
     replicas: int
     trajectories: int
     wall_seconds: float
+    best_seconds: float  # a lower bound on any dispatch's wall time (module docstring)
     start_lag_seconds: float  # until the last replica began decoding
     tail_seconds: float  # from the last decode step's end to the last trajectory back
     running_seconds: float  # the router's coroutines on the event loop
@@ -291,13 +131,25 @@ async def never_lost(replica) -> None:
     raise AssertionError(f"stand-in replica {replica.address} was lost")
 
 
+def best_seconds(prompt_ids: list[str], replicas: int, args: argparse.Namespace) -> float:
+    """The lower bound on the wall time of the groups `prompt_ids` on the first `replicas`:
+    all their decode steps at the replicas' summed capacity, or the longest trajectory at
+    the fastest replica's step, whichever is longer."""
+    steps = [trajectory_steps(p, i, args) for p in prompt_ids for i in range(args.samples)]
+    step_seconds = [replica_step_seconds(i, args) for i in range(replicas)]
+    capacity = sum(args.batch / s for s in step_seconds)  # decode steps a second
+    return max(sum(steps) / capacity, max(steps) * min(step_seconds))
+
+
 async def measure(addresses: list[str], args: argparse.Namespace) -> Run:
-    """One workload of N x batch x waves trajectories through a fresh router over `addresses`."""
+    """One workload of N x batch x waves trajectories through a fresh router over `addresses`
+    (`args` holds the workload's lengths and speeds)."""
     router = TimedRouter(ClientConfig(address=",".join(addresses)), catch_up=never_lost)
     try:
         before = await router.stats()  # also opens every channel, outside the timing
         groups = len(addresses) * args.batch * args.waves // args.samples
-        requests = [group_request(f"g{k}", args.samples) for k in range(groups)]
+        prompt_ids = [f"g{k}" for k in range(groups)]
+        requests = [group_request(prompt_id, args.samples) for prompt_id in prompt_ids]
         # time.monotonic() is the clock of the replicas' loop.time() as well.
         cpu_started, started = time.process_time(), time.monotonic()
         results = await asyncio.gather(
@@ -317,6 +169,7 @@ async def measure(addresses: list[str], args: argparse.Namespace) -> Run:
         replicas=len(addresses),
         trajectories=trajectories,
         wall_seconds=ended - started,
+        best_seconds=best_seconds(prompt_ids, len(addresses), args),
         start_lag_seconds=max(s.metrics["busy_since"] for s in after) - started,
         tail_seconds=ended - max(s.metrics["idle_since"] for s in after),
         running_seconds=router.running_seconds,
@@ -350,7 +203,6 @@ def group_request(prompt_id: str, samples: int) -> rollout_pb2.GenerateRequest:
 def summarize(runs: list[Run], args: argparse.Namespace) -> dict:
     """Medians over the repeats of one N."""
     first = runs[0]
-    per_replica = args.batch / (args.tokens * args.step_ms / 1000)  # trajectories/s
     wall = statistics.median(r.wall_seconds for r in runs)
     trajectories = first.trajectories
 
@@ -361,7 +213,8 @@ def summarize(runs: list[Run], args: argparse.Namespace) -> dict:
         "replicas": first.replicas,
         "trajectories": trajectories,
         "wall_s": wall,
-        "ideal_s": trajectories / (first.replicas * per_replica),
+        "best_s": first.best_seconds,
+        "best_over_wall": first.best_seconds / wall,
         "throughput": trajectories / wall,
         "start_lag_s": statistics.median(r.start_lag_seconds for r in runs),
         "tail_s": statistics.median(r.tail_seconds for r in runs),
@@ -375,28 +228,66 @@ def summarize(runs: list[Run], args: argparse.Namespace) -> dict:
     }
 
 
-def print_table(rows: list[dict], efficiency: dict[int, float]) -> None:
+def print_table(workload: str, rows: list[dict]) -> None:
     print(
-        f"{'N':>3} {'traj':>5} {'wall s':>7} {'ideal s':>7} {'start s':>7} {'tail s':>6} "
-        f"{'traj/s':>7} {'eff':>5} {'router ms':>9} {'assign ms':>9} {'rtr CPU ms':>10} "
-        f"{'srv CPU ms':>10} {'step ms':>7} {'fill':>5}"
+        f"{workload} work:\n{'N':>3} {'traj':>5} {'wall s':>7} {'best s':>7} {'best/wall':>9} "
+        f"{'start s':>7} {'tail s':>6} {'traj/s':>7} {'scaling':>7} {'router ms':>9} "
+        f"{'assign ms':>9} {'rtr CPU ms':>10} {'srv CPU ms':>10} {'step ms':>7} {'fill':>5}"
     )
     for row in rows:
         print(
             f"{row['replicas']:>3} {row['trajectories']:>5} {row['wall_s']:>7.3f} "
-            f"{row['ideal_s']:>7.3f} {row['start_lag_s']:>7.3f} {row['tail_s']:>6.3f} "
-            f"{row['throughput']:>7.1f} {efficiency[row['replicas']]:>5.3f} "
+            f"{row['best_s']:>7.3f} {row['best_over_wall']:>9.3f} {row['start_lag_s']:>7.3f} "
+            f"{row['tail_s']:>6.3f} {row['throughput']:>7.1f} {row['scaling']:>7.3f} "
             f"{row['router_ms']:>9.3f} {row['assign_ms']:>9.4f} {row['router_cpu_ms']:>10.3f} "
             f"{row['server_cpu_ms']:>10.3f} {row['step_ms']:>7.2f} {row['batch_fill']:>5.3f}"
         )
-    print(
-        "start s: until the last replica began decoding; tail s: from the last decode step to "
-        "the last trajectory back; router ms: the router's coroutines' time on the event loop "
-        "per trajectory (dispatch, grpc reading and parsing the reply, from_proto); assign ms: "
-        "of that, _assign; rtr / srv CPU ms: the router's / the replicas' process CPU per "
-        "trajectory; step ms: the stand-in engines' mean decode step as measured; fill: their "
-        "mean batch occupancy / batch"
-    )
+
+
+LEGEND = (
+    "best s: a lower bound on any dispatch's wall time; scaling: throughput over N x the "
+    "first N's per replica (even work: the router's overhead); start s: until the last replica "
+    "began decoding; tail s: from the last decode step to the last trajectory back; router ms: "
+    "the router's coroutines' time on the event loop per trajectory (dispatch, grpc reading and "
+    "parsing the reply, from_proto); assign ms: of that, _assign; rtr / srv CPU ms: the "
+    "router's / the replicas' process CPU per trajectory; step ms: the stand-in engines' mean "
+    "decode step as measured; fill: their mean batch occupancy / batch"
+)
+
+
+async def measure_workload(args: argparse.Namespace, counts: list[int]) -> list[dict]:
+    """Every N of `counts`, `--repeats` times interleaved, on stand-ins started for `args`'
+    workload; a row of medians for each N."""
+    serve = [
+        sys.executable, __file__, "--serve", str(max(counts)), "--step-ms", str(args.step_ms),
+        "--tokens", str(args.tokens), "--batch", str(args.batch),
+        "--prompt-tokens", str(args.prompt_tokens), "--samples", str(args.samples),
+        "--length-sigma", str(args.length_sigma), "--slow-factor", str(args.slow_factor),
+    ]  # fmt: skip
+    # Closing stdin stops the stand-ins; async_child's signal is for a process that hangs.
+    pipes = {"stdin": asyncio.subprocess.PIPE, "stdout": asyncio.subprocess.PIPE}
+    async with async_child(*serve, **pipes) as child:
+        try:
+            line = (await child.stdout.readline()).decode().strip()
+            if not line:
+                raise RuntimeError("the stand-in replicas did not start")
+            addresses = line.split(",")
+            await measure(addresses, args)  # warm-up: first calls on both sides
+            runs: dict[int, list[Run]] = {n: [] for n in counts}
+            for repeat in range(args.repeats):
+                for n in counts:
+                    run = await measure(addresses[:n], args)
+                    runs[n].append(run)
+                    print(f"run {repeat + 1}, N={n}: {run.wall_seconds:.3f} s", flush=True)
+        finally:
+            child.stdin.close()
+            with contextlib.suppress(TimeoutError):  # else async_child stops it
+                await asyncio.wait_for(child.wait(), STAND_INS_STOP_SECONDS)
+    rows = [summarize(runs[n], args) for n in counts]
+    per_replica = rows[0]["throughput"] / rows[0]["replicas"]
+    for row in rows:
+        row["scaling"] = row["throughput"] / (row["replicas"] * per_replica)
+    return rows
 
 
 async def main() -> None:
@@ -411,59 +302,57 @@ async def main() -> None:
     parser.add_argument("--samples", type=int, default=8, help="trajectories per prompt group")
     parser.add_argument("--waves", type=int, default=4, help="batches of work per replica")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each N; medians")
+    parser.add_argument(
+        "--length-sigma", type=float, default=1.0, help="uneven work: lognormal sigma of lengths"
+    )
+    parser.add_argument(
+        "--slow-factor", type=float, default=2.0, help="uneven work: every second replica's step"
+    )
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the child's role
-    args = parser.parse_args()
+    smoke = {"replicas": "1,2,4", "step_ms": 5.0, "tokens": 8, "repeats": 1, "waves": 2}
+    args = smoke_mode.parse_args(parser, smoke)
     if args.serve:
         await serve_replicas(args.serve, args)
         return
     if args.batch * args.waves % args.samples:
         parser.error(f"batch x waves ({args.batch * args.waves}) is not a multiple of --samples")
     counts = [int(n) for n in args.replicas.split(",")]
-
-    child = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--serve", str(max(counts)), "--step-ms", str(args.step_ms),
-        "--tokens", str(args.tokens), "--batch", str(args.batch),
-        "--prompt-tokens", str(args.prompt_tokens),
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        line = (await child.stdout.readline()).decode().strip()
-        if not line:
-            raise RuntimeError("the stand-in replicas did not start")
-        addresses = line.split(",")
-        await measure(addresses, args)  # warm-up: first calls on both sides
-        runs: dict[int, list[Run]] = {n: [] for n in counts}
-        for repeat in range(args.repeats):
-            for n in counts:
-                run = await measure(addresses[:n], args)
-                runs[n].append(run)
-                print(f"run {repeat + 1}, N={n}: {run.wall_seconds:.3f} s", flush=True)
-    finally:
-        child.stdin.close()
-        await child.wait()
-
-    rows = [summarize(runs[n], args) for n in counts]
-    single = rows[0]["throughput"] / rows[0]["replicas"]
-    efficiency = {row["replicas"]: row["throughput"] / (row["replicas"] * single) for row in rows}
+    workloads = {
+        "even": argparse.Namespace(**{**vars(args), "length_sigma": 0.0, "slow_factor": 1.0}),
+        "uneven": args,
+    }
+    rows = {name: await measure_workload(work, counts) for name, work in workloads.items()}
     print(
-        f"stand-in replica: batch {args.batch}, {args.tokens} steps of {args.step_ms:g} ms a "
-        f"trajectory ({args.prompt_tokens} + {args.tokens} tokens), ideally "
-        f"{args.batch / (args.tokens * args.step_ms / 1000):.1f} trajectories/s"
+        f"stand-in replica: batch {args.batch}, {args.step_ms:g} ms a decode step (uneven: x"
+        f"{args.slow_factor:g} on every second replica), {args.tokens} steps a trajectory "
+        f"(uneven: lognormal median, sigma {args.length_sigma:g}), {args.prompt_tokens} prompt "
+        "tokens"
     )
-    print_table(rows, efficiency)
+    for name, workload_rows in rows.items():
+        print_table(name, workload_rows)
+    print(LEGEND)
+
+    def by_n(workload: str, key: str) -> dict[int, float]:
+        return {row["replicas"]: round(row[key], 3) for row in rows[workload]}
+
     figures = {
-        "efficiency_16": round(efficiency[16], 3) if 16 in efficiency else None,
-        "overhead_ms": round(max(row["router_ms"] for row in rows), 4),
-        "overhead_measure": "router coroutines' event-loop time per trajectory, largest over N",
-        "throughput": {row["replicas"]: round(row["throughput"], 1) for row in rows},
-        "efficiency": {n: round(e, 3) for n, e in efficiency.items()},
-        "router_ms": {row["replicas"]: round(row["router_ms"], 4) for row in rows},
-        "router_cpu_ms": {row["replicas"]: round(row["router_cpu_ms"], 4) for row in rows},
+        "even_scaling": by_n("even", "scaling"),
+        "even_best_over_wall": by_n("even", "best_over_wall"),
+        "uneven_best_over_wall": by_n("uneven", "best_over_wall"),
+        "overhead_ms": round(max(row["router_ms"] for row in rows["even"]), 4),
+        "overhead_measure": "router coroutines' event-loop time per trajectory, even work, "
+        "largest over N",
+        "even_throughput": by_n("even", "throughput"),
+        "uneven_throughput": by_n("uneven", "throughput"),
+        "router_ms": by_n("even", "router_ms"),
+        "router_cpu_ms": by_n("even", "router_cpu_ms"),
         "step_ms": args.step_ms,
         "tokens": args.tokens,
         "prompt_tokens": args.prompt_tokens,
         "batch": args.batch,
         "samples": args.samples,
+        "length_sigma": args.length_sigma,
+        "slow_factor": args.slow_factor,
     }
     print(json.dumps(figures))
 

@@ -2,14 +2,15 @@
 
 Phases, driven from this process:
 - calculator: `turnrl serve tool` with its configured limits (16 calls of a tool at once,
-  1,024 waiting) and 256 concurrent clients calling `calculator` for --seconds;
+  1,024 waiting) and 256 concurrent clients (--clients) calling `calculator` for --seconds;
 - python: the same service, 256 clients calling the `python` sandbox for --sandbox-seconds
   (most of them wait in the tool's queue);
 - python_queue_64: a second tool service, `tool.default_limits.max_queue=64`, 256 clients
   calling `python`: a call past 16 running and 64 waiting must come back RESOURCE_EXHAUSTED at
   once, not as a deadline error; its client pauses (--rejected-pause-seconds) and calls again;
-- reward: `turnrl serve reward` with its defaults (2 workers) and 32 concurrent streams, each
-  scoring batches of 64 GSM8K gold solutions through ScoreBatch, one call per batch.
+- reward: `turnrl serve reward` with its defaults (2 workers) and 32 concurrent streams
+  (--reward-streams), each scoring batches of 64 GSM8K gold solutions through ScoreBatch, one
+  call per batch.
 
 Each phase runs --warmup-seconds before its measured window; latencies are of the calls
 started in the window. Beside the load, one probe client makes a cheap call (ListTools,
@@ -29,11 +30,12 @@ import asyncio
 import json
 import os
 import random
-import sys
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import smoke_mode
+from child_processes import served
 from reward_throughput import gsm8k_items
 from tool_rpc import CALCULATOR, SANDBOX, TOOLS_OVERRIDE, percentile_ms
 
@@ -42,8 +44,6 @@ from turnrl.config import ClientConfig
 from turnrl.errors import RpcError
 from turnrl.v1 import reward_pb2, reward_pb2_grpc, tool_pb2, tool_pb2_grpc
 
-CLIENTS = 256
-REWARD_STREAMS = 32
 BATCH_ITEMS = 64
 CHANNELS = 8  # the clients share them round-robin, as callers in a few processes would
 CALL_TIMEOUT_SECONDS = 30.0
@@ -80,19 +80,6 @@ class MemorySample:
 
     at: float  # loop.time()
     rss_bytes: dict[str, int]
-
-
-async def start_service(name: str, *overrides: str) -> tuple[asyncio.subprocess.Process, str]:
-    # tool_rpc's start_service lifts the tool's concurrency cap; a soak keeps the configured one.
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "turnrl_cli", "--log-level", "WARNING", "serve", name, "--port", "0",
-        *overrides,
-        stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    while line := (await process.stdout.readline()).decode():
-        if line.startswith("serving "):
-            return process, line.split()[-1]
-    raise RuntimeError(f"{name} service did not start")
 
 
 def resident_bytes(pid: int) -> tuple[int, int]:
@@ -316,58 +303,57 @@ async def tool_phases(
     *overrides: str,
 ) -> dict[str, dict]:
     """The (name, request, seconds) phases in turn against one tool service."""
-    process, address = await start_service("tool", TOOLS_OVERRIDE, *overrides)
-    channels = [rpc.open_channel(ClientConfig(address=address)) for _ in range(CHANNELS + 1)]
-    stubs = [tool_pb2_grpc.ToolServiceStub(channel) for channel in channels]
+    async with served("tool", TOOLS_OVERRIDE, *overrides) as (process, address):
+        channels = [rpc.open_channel(ClientConfig(address=address)) for _ in range(CHANNELS + 1)]
+        stubs = [tool_pb2_grpc.ToolServiceStub(channel) for channel in channels]
 
-    def probe():  # on a channel of its own
-        return stubs[CHANNELS].ListTools(tool_pb2.ListToolsRequest(), timeout=CALL_TIMEOUT_SECONDS)
-
-    figures = {}
-    try:
-        for name, request, seconds in phases:
-
-            def call(index: int, request=request) -> Awaitable[str]:
-                return execute(stubs[index % CHANNELS], request)
-
-            # Its children are the sandboxes of the calls in flight: how many, varies by the second.
-            figures[name] = await run_phase(
-                name, process.pid, CLIENTS, call, probe, seconds, args, bounded_parts=("service",)
+        def probe():  # on a channel of its own
+            return stubs[CHANNELS].ListTools(
+                tool_pb2.ListToolsRequest(), timeout=CALL_TIMEOUT_SECONDS
             )
-    finally:
-        for channel in channels:
-            await channel.close()
-        process.terminate()
-        await process.wait()
+
+        figures = {}
+        try:
+            for name, request, seconds in phases:
+
+                def call(index: int, request=request) -> Awaitable[str]:
+                    return execute(stubs[index % CHANNELS], request)
+
+                # Its children are the sandboxes of the calls in flight: how many varies.
+                figures[name] = await run_phase(
+                    name, process.pid, args.clients, call, probe, seconds, args, bounded_parts=("service",)
+                )  # fmt: skip
+        finally:
+            for channel in channels:
+                await channel.close()
     return figures
 
 
 async def reward_phase(args: argparse.Namespace) -> dict:
-    """32 streams of ScoreBatch calls, each of its own 64 items, against one reward service."""
-    process, address = await start_service("reward")
-    items = gsm8k_items(REWARD_STREAMS * BATCH_ITEMS)
-    channels = [rpc.open_channel(ClientConfig(address=address)) for _ in range(CHANNELS + 1)]
-    stubs = [reward_pb2_grpc.RewardServiceStub(channel) for channel in channels]
+    """--reward-streams streams of ScoreBatch calls, each of its own 64 items, against one
+    reward service."""
+    async with served("reward") as (process, address):
+        items = gsm8k_items(args.reward_streams * BATCH_ITEMS)
+        channels = [rpc.open_channel(ClientConfig(address=address)) for _ in range(CHANNELS + 1)]
+        stubs = [reward_pb2_grpc.RewardServiceStub(channel) for channel in channels]
 
-    def call(index: int) -> Awaitable[str]:
-        batch = items[index * BATCH_ITEMS : (index + 1) * BATCH_ITEMS]
-        return score_batch(stubs[index % CHANNELS], batch)
+        def call(index: int) -> Awaitable[str]:
+            batch = items[index * BATCH_ITEMS : (index + 1) * BATCH_ITEMS]
+            return score_batch(stubs[index % CHANNELS], batch)
 
-    def probe():
-        request = reward_pb2.ListScorersRequest()
-        return stubs[CHANNELS].ListScorers(request, timeout=CALL_TIMEOUT_SECONDS)
+        def probe():
+            request = reward_pb2.ListScorersRequest()
+            return stubs[CHANNELS].ListScorers(request, timeout=CALL_TIMEOUT_SECONDS)
 
-    try:
-        title = f"reward, ScoreBatch of {BATCH_ITEMS} GSM8K items"
-        figures = await run_phase(
-            title, process.pid, REWARD_STREAMS, call, probe, args.seconds, args,
-            bounded_parts=("service", "children"),  # the scorer workers live as long as it
-        )  # fmt: skip
-    finally:
-        for channel in channels:
-            await channel.close()
-        process.terminate()
-        await process.wait()
+        try:
+            title = f"reward, ScoreBatch of {BATCH_ITEMS} GSM8K items"
+            figures = await run_phase(
+                title, process.pid, args.reward_streams, call, probe, args.seconds, args,
+                bounded_parts=("service", "children"),  # the scorer workers live as long as it
+            )  # fmt: skip
+        finally:
+            for channel in channels:
+                await channel.close()
     figures["items_per_s"] = round(figures["calls_per_s"] * BATCH_ITEMS)
     print(f"  {figures['items_per_s']:,} items/s", flush=True)
     return figures
@@ -385,7 +371,10 @@ async def main() -> None:
         help="a rejected client's pause before its next call: the rollout service does not "
         "retry RESOURCE_EXHAUSTED, so a trajectory's next call follows its next model turn",
     )
-    args = parser.parse_args()
+    parser.add_argument("--clients", type=int, default=256, help="of each tool phase")
+    parser.add_argument("--reward-streams", type=int, default=32)
+    smoke = {"seconds": 1.5, "sandbox_seconds": 1.0, "warmup_seconds": 2.0, "clients": 8}
+    args = smoke_mode.parse_args(parser, smoke | {"reward_streams": 2})
     phases = await tool_phases(
         args, [("calculator", CALCULATOR, args.seconds), ("python", SANDBOX, args.sandbox_seconds)]
     )

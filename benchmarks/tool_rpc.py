@@ -13,8 +13,10 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
+
+import smoke_mode
+from child_processes import served
 
 from turnrl import rpc
 from turnrl.config import ClientConfig
@@ -25,18 +27,6 @@ CALCULATOR = tool_pb2.ExecuteRequest(
     tool_name="calculator", arguments='{"expression": "(3 + 4.5) * 2"}'
 )
 SANDBOX = tool_pb2.ExecuteRequest(tool_name="python", arguments='{"code": "print(6 * 7)"}')
-
-
-async def start_service() -> tuple[asyncio.subprocess.Process, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "turnrl_cli", "--log-level", "WARNING", "serve", "tool", "--port", "0",
-        TOOLS_OVERRIDE, "tool.default_limits.max_concurrency=0",
-        stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    while line := (await process.stdout.readline()).decode():
-        if line.startswith("serving "):
-            return process, line.split()[-1]
-    raise RuntimeError("tool service did not start")
 
 
 async def latencies(stub, request, calls: int) -> list[float]:
@@ -77,20 +67,24 @@ async def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="throughput window")
     parser.add_argument("--calculator-calls", type=int, default=2000)
     parser.add_argument("--sandbox-calls", type=int, default=60)
-    args = parser.parse_args()
-    process, address = await start_service()
-    channels = [rpc.open_channel(ClientConfig(address=address)) for _ in range(4)]
-    stubs = [tool_pb2_grpc.ToolServiceStub(channel) for channel in channels]
-    try:
-        calculator = await latencies(stubs[0], CALCULATOR, args.calculator_calls)
-        single = await throughput(stubs[:1], CALCULATOR, 1, args.seconds)
-        concurrent = await throughput(stubs, CALCULATOR, 64, args.seconds)
-        sandbox = await latencies(stubs[0], SANDBOX, args.sandbox_calls)
-    finally:
-        for channel in channels:
-            await channel.close()
-        process.terminate()
-        await process.wait()
+    args = smoke_mode.parse_args(
+        parser, {"seconds": 0.5, "calculator_calls": 100, "sandbox_calls": 5}
+    )
+    # The tool's concurrency cap lifted: this measures the service, not the cap.
+    async with served("tool", TOOLS_OVERRIDE, "tool.default_limits.max_concurrency=0") as (
+        _,
+        address,
+    ):
+        channels = [rpc.open_channel(ClientConfig(address=address)) for _ in range(4)]
+        stubs = [tool_pb2_grpc.ToolServiceStub(channel) for channel in channels]
+        try:
+            calculator = await latencies(stubs[0], CALCULATOR, args.calculator_calls)
+            single = await throughput(stubs[:1], CALCULATOR, 1, args.seconds)
+            concurrent = await throughput(stubs, CALCULATOR, 64, args.seconds)
+            sandbox = await latencies(stubs[0], SANDBOX, args.sandbox_calls)
+        finally:
+            for channel in channels:
+                await channel.close()
     figures = {
         "calculator_p50_ms": percentile_ms(calculator, 50),
         "calculator_p99_ms": percentile_ms(calculator, 99),

@@ -20,11 +20,14 @@ import sys
 import tempfile
 import time
 
+import smoke_mode
 import torch
+from child_processes import child
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from trainer_svc.batch import Batch
 from trainer_svc.config import TrainSettings
-from trainer_svc.fsdp import Batch, FsdpPolicy
+from trainer_svc.fsdp import FsdpPolicy
 
 RESULT_PREFIX = "RESULT "
 MODEL_CONFIG = Qwen3Config(
@@ -74,7 +77,10 @@ def launch(args: argparse.Namespace, model_dir: str, ranks: int, dtype: str) -> 
         "--rows", str(args.rows), "--seq-len", str(args.seq_len),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads_per_rank)}
-    output = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+    with child(command, env=env, stdout=subprocess.PIPE, text=True) as process:
+        output, _ = process.communicate()
+    if process.returncode:
+        raise RuntimeError(f"{command} exited with code {process.returncode}")
     result = next(line for line in output.splitlines() if line.startswith(RESULT_PREFIX))
     return json.loads(result.removeprefix(RESULT_PREFIX))["s_per_step"]
 
@@ -87,7 +93,11 @@ def main() -> None:
     parser.add_argument("--threads-per-rank", type=int, default=1, help="CPU threads per rank")
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--rank-of", metavar="MODEL_DIR", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="runs of each")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    # Smoke: the two-rank run alone, the path through torchrun and FSDP.
+    smoke = {"steps": 1, "rows": 2, "seq_len": 32, "dtypes": ["float32"], "ranks": [2]}
+    args = smoke_mode.parse_args(parser, smoke)
     if args.rank_of:
         run_rank(args.rank_of, args.dtype, args.steps, args.rows, args.seq_len)
         return
@@ -101,8 +111,8 @@ def main() -> None:
         model.save_pretrained(model_dir)
         print(f"{parameters / 1e6:.1f}M parameters, {tokens_per_step} tokens per step")
         print(f"{'ranks':>5} {'dtype':>9} {'s/step':>8} {'tokens/s':>9}")
-        for ranks in (1, 2):
-            for dtype in ("float32", "bfloat16"):
+        for ranks in args.ranks:
+            for dtype in args.dtypes:
                 s_per_step = launch(args, model_dir, ranks, dtype)
                 print(
                     f"{ranks:>5} {dtype:>9} {s_per_step:>8.3f} {tokens_per_step / s_per_step:>9.0f}"

@@ -33,6 +33,7 @@ The last line printed is one JSON object with the headline figures: `ratio_singl
 """
 
 import argparse
+import importlib.util
 import itertools
 import json
 import os
@@ -46,7 +47,9 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import smoke_mode
 import yaml
+from child_processes import child
 
 from turnrl.calculator_data import CALCULATOR_TOOL, ProblemSettings, generate_problems
 from turnrl.config import REPO_ROOT
@@ -111,11 +114,12 @@ class PeakRss:
 
 def run_measured(command: list[str], log: Path) -> int:
     """Runs `command` to its end, its output to `log`; its processes' peak RSS in bytes."""
-    with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    with log.open("w") as out, child(command, stdout=out, stderr=subprocess.STDOUT) as process:
         rss = PeakRss(process.pid)
-        code = process.wait()
-    peak = rss.stop()
+        try:
+            code = process.wait()
+        finally:
+            peak = rss.stop()
     if code != 0:
         raise RuntimeError(f"{command[:4]} failed with exit code {code}; see {log}")
     return peak
@@ -399,12 +403,16 @@ def main() -> None:
     )
     parser.add_argument("--trl-child", choices=sorted(TASKS), help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    smoke_out = Path(tempfile.gettempdir()) / "vs_trl_smoke.json"
+    smoke = {"steps": 2, "warmup": 1, "prompts": 2, "samples": 2, "tasks": "single"}
+    args = smoke_mode.parse_args(parser, smoke | {"out": smoke_out})
     if args.trl_child:
         trl_child(args.trl_child, args)
         return
     if args.steps <= args.warmup:
         parser.error("--steps must be more than --warmup")
+    if "trl" in args.systems.split(",") and importlib.util.find_spec("trl") is None:
+        parser.error("TRL is not installed: .venv/bin/pip install -c constraints.txt -e '.[bench]'")
     runners = {"turnrl": run_turnrl, "trl": run_trl}
     systems = args.systems.split(",")
     results: dict[str, dict[str, dict]] = {}

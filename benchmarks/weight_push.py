@@ -13,7 +13,7 @@ of one flat buffer of the same size from this process to a second one (buffers a
 each broadcast followed by a barrier), timed just before each push, so that both see the same
 machine: the figures are medians of the pairs.
 
-    .venv/bin/python benchmarks/weight_push.py [--pushes 9] [--bucket-mib 100]
+    .venv/bin/python benchmarks/weight_push.py [--pushes 9] [--bucket-mib 100] [--layers 12]
 
 The last line printed is one JSON object with the headline figures.
 """
@@ -29,45 +29,35 @@ import sys
 import tempfile
 import time
 
+import smoke_mode
 import torch
 import torch.distributed as dist
+from child_processes import served
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from trainer_svc.config import WeightSyncConfig
 from trainer_svc.weight_push import WeightPusher
 from turnrl import rpc
 from turnrl.config import ClientConfig
+from turnrl.subprocesses import die_with_parent
 from turnrl.v1 import rollout_pb2_grpc
 from turnrl.weights import BucketedWeights
 from turnrl_demo.tiny_model import build_tiny_model
 
-MODEL_CONFIG = Qwen3Config(
-    vocab_size=32000,
-    hidden_size=512,
-    num_hidden_layers=12,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=64,
-    intermediate_size=2048,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
-)
+# Qwen3Config keyword arguments of the pushed model (--layers, --vocab-size change two).
+MODEL_SHAPE = {
+    "vocab_size": 32000,
+    "hidden_size": 512,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "intermediate_size": 2048,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": True,
+}
 GIB = 2**30
 RAW_TIMEOUT = datetime.timedelta(seconds=120)
-
-
-async def start_rollout(model_dir: str) -> tuple[asyncio.subprocess.Process, str]:
-    nowhere = "127.0.0.1:1"  # a weight push calls no tool or reward service
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "turnrl_cli", "--log-level", "WARNING", "serve", "rollout", "--port", "0",
-        f"rollout.model_path={model_dir}", f"rollout.tokenizer_path={build_tiny_model()}",
-        f"rollout.tool_service.address={nowhere}", f"rollout.reward_service.address={nowhere}",
-        stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    while line := (await process.stdout.readline()).decode():
-        if line.startswith("serving "):
-            return process, line.split()[-1]
-    raise RuntimeError("rollout service did not start")
 
 
 async def time_pushes(address: str, weights: BucketedWeights, args: argparse.Namespace) -> dict:
@@ -119,16 +109,24 @@ class RawBroadcast:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        self._child = subprocess.Popen(
-            [sys.executable, __file__, "--raw-receiver", f"{size_bytes},{repeats},{port}"]
-        )
-        self._group, self._buffer = raw_group(size_bytes, 0, port)
+        receiver = [sys.executable, __file__, "--raw-receiver", f"{size_bytes},{repeats},{port}"]
+        self._child = subprocess.Popen(receiver, preexec_fn=die_with_parent)
+        try:
+            self._group, self._buffer = raw_group(size_bytes, 0, port)
+        except BaseException:
+            self._child.kill()
+            raise
 
     def once(self) -> float:
         return broadcast_and_barrier(self._group, self._buffer)
 
     def close(self) -> None:
-        self._child.wait(timeout=120)
+        """Waits for the child to receive its broadcasts, or kills it (a push failed midway)."""
+        try:
+            self._child.wait(timeout=RAW_TIMEOUT.total_seconds())
+        except subprocess.TimeoutExpired:
+            self._child.kill()
+            self._child.wait()
         self._group.shutdown()
 
 
@@ -157,8 +155,10 @@ async def main() -> None:
         default=WeightSyncConfig().bucket_size_mb,
         help="broadcast bucket size (default: the trainer's)",
     )
+    parser.add_argument("--layers", type=int, default=MODEL_SHAPE["num_hidden_layers"])
+    parser.add_argument("--vocab-size", type=int, default=MODEL_SHAPE["vocab_size"])
     parser.add_argument("--raw-receiver", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = smoke_mode.parse_args(parser, {"pushes": 1, "layers": 1, "vocab_size": 1024})
     if args.raw_receiver:
         size_bytes, repeats, port = map(int, args.raw_receiver.split(","))
         group, buffer = raw_group(size_bytes, 1, port)
@@ -169,7 +169,8 @@ async def main() -> None:
 
     with tempfile.TemporaryDirectory() as model_dir:
         torch.manual_seed(0)
-        model = Qwen3ForCausalLM(MODEL_CONFIG)
+        shape = {"num_hidden_layers": args.layers, "vocab_size": args.vocab_size}
+        model = Qwen3ForCausalLM(Qwen3Config(**(MODEL_SHAPE | shape)))
         model.save_pretrained(model_dir)
         tensors = {name: torch.randn_like(p) for name, p in model.named_parameters()}
         del model
@@ -177,12 +178,14 @@ async def main() -> None:
         print(f"{size_bytes / 1e6 / 4:.1f}M parameters, {size_bytes / 2**20:.0f} MiB of fp32")
         bucket_size_bytes = args.bucket_mib * 1024 * 1024
         weights = BucketedWeights.pack(tensors.items(), bucket_size_bytes)
-        process, address = await start_rollout(model_dir)
-        try:
+        nowhere = "127.0.0.1:1"  # a weight push calls no tool or reward service
+        rollout = served(
+            "rollout", f"rollout.model_path={model_dir}",
+            f"rollout.tokenizer_path={build_tiny_model()}",
+            f"rollout.tool_service.address={nowhere}", f"rollout.reward_service.address={nowhere}",
+        )  # fmt: skip
+        async with rollout as (_, address):
             timed = await time_pushes(address, weights, args)
-        finally:
-            process.terminate()
-            await process.wait()
     raw_s = timed["raw_s"]
     push_gib_s, raw_gib_s = size_bytes / GIB / timed["push_s"], size_bytes / GIB / raw_s
     grpc_gib_s = size_bytes / GIB / timed["grpc_s"]

@@ -71,12 +71,17 @@ class RewardConfig(StrictModel):
         default=256, ge=1, description="Items scored at once across all calls; more wait."
     )
     error_score: float = Field(
-        default=0.0, description="Score of an item whose scorer failed (extras.error says why)."
+        default=0.0,
+        description="Score of an item that could not be graded (extras.error says why): what "
+        "the model earns when the failure is its own (a scorer failing on its response, a "
+        "response too large), so the lowest score the scorers give; a placeholder, with "
+        "reward.error set, when the failure is the system's (turnrl/failures.py).",
     )
     max_response_bytes: int = Field(
         default=1024 * 1024,
         gt=0,
-        description="Largest response_text scored, in UTF-8 bytes; longer is an error result.",
+        description="Largest response_text scored, in UTF-8 bytes; a longer one earns "
+        "error_score, as the model's failure.",
     )
     plugins: list[PluginEntry] = Field(default_factory=list, description="User scorers.")
     composites: list[CompositeEntry] = Field(

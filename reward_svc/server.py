@@ -101,9 +101,11 @@ def _result_proto(result: ScoringResult) -> reward_pb2.ScoringResult:
         reward=common_pb2.Reward(
             score=result.score.score,
             extras=extras,
-            error=result.error is not None,
-            error_message=result.error or "",
+            # Only the system's failures: the model's are the reward it earned.
+            error=result.system_failed,
+            error_message=result.score.extras["error"] if result.system_failed else "",
         ),
         scorer=result.scorer,
         elapsed_seconds=result.elapsed_seconds,
+        failure=result.failure.value if result.failure else None,
     )

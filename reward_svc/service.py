@@ -3,11 +3,17 @@
 A plain async class (no gRPC). Rule scorers and plugins run in a pool of worker processes
 with a per-item timeout; the code scorer and LLM judges wait on I/O and run on the event loop
 under the same timeout. Whatever goes wrong with one item (its scorer raises, hangs, kills
-its process; the input is too large) yields an error result for that item alone, scored
-`error_score`, with `extras["error"]` saying why.
+its process; the input is too large) yields a result for that item alone, scored
+`error_score`, with `extras["error"]` saying why and a `ScoringFailure` saying whose fault it
+is, by the rule of turnrl/failures.py: a scorer that fails on a response is graded once more
+on the ground truth alone, to tell a response that broke it (the model's) from a broken
+scorer (the system's).
 """
 
 import asyncio
+import dataclasses
+import itertools
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -17,11 +23,12 @@ from typing import Protocol
 from reward_svc.config import RewardConfig
 from reward_svc.pool import ScorerFailedError, ScorerPool
 from reward_svc.scorers import RULE_SCORERS, SCORERS
-from reward_svc.scorers.base import Score, ScorerRef, ScoringRequest
+from reward_svc.scorers.base import Score, ScorerRef, ScorerUnavailableError, ScoringRequest
 from reward_svc.scorers.code import CodeScorer
 from reward_svc.scorers.compose import weighted_sum
 from reward_svc.scorers.judge import LlmJudge
 from turnrl.errors import ConfigError, InvalidArgumentError
+from turnrl.failures import SYSTEM_SCORING_FAILURES, ScoringFailure
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +56,18 @@ class Route:
 
 @dataclass(frozen=True)
 class ScoringResult:
-    """One item's verdict, or its failure (`error` set, score = error_score)."""
+    """One item's verdict, or its failure (`failure` set, score = error_score, extras["error"]
+    saying why)."""
 
     score: Score
     scorer: str
     elapsed_seconds: float
-    error: str | None = None
+    failure: ScoringFailure | None = None
+
+    @property
+    def system_failed(self) -> bool:
+        """Whether the system, not the model, failed the item: its score is no verdict."""
+        return self.failure in SYSTEM_SCORING_FAILURES
 
 
 class RewardService:
@@ -130,25 +143,28 @@ class RewardService:
         """Scores one item; never raises for the item's sake (see the module docstring)."""
         started = time.monotonic()
         route = self._routes.get(request.data_source)
-        name = route.name if route else "none"
-        try:
-            if route is None:
-                raise ScorerFailedError(
-                    f"unknown data_source {request.data_source!r}; known: {sorted(self._routes)}"
-                )
-            size = len(request.response_text.encode(errors="replace"))
-            if size > self._config.max_response_bytes:
-                raise ScorerFailedError(
-                    f"response is {size} bytes; at most {self._config.max_response_bytes} are scored"
-                )
-            async with self._in_flight:
+        if route is None:
+            message = f"unknown data_source {request.data_source!r}; known: {sorted(self._routes)}"
+            return self._failure("none", ScoringFailure.UNKNOWN_DATA_SOURCE, message, started)
+        size = len(request.response_text.encode(errors="replace"))
+        if size > self._config.max_response_bytes:
+            message = (
+                f"response is {size} bytes; at most {self._config.max_response_bytes} are scored"
+            )
+            return self._failure(route.name, ScoringFailure.RESPONSE_TOO_LARGE, message, started)
+        async with self._in_flight:
+            try:
                 score = await self._run(route, request)
-        except ScorerFailedError as e:
-            return self._failure(name, str(e), started)
-        except Exception as e:
-            log.warning("scorer %s failed on %s: %s", name, request.data_source, e, exc_info=True)
-            return self._failure(name, f"{type(e).__name__}: {e}", started)
-        return ScoringResult(score, name, time.monotonic() - started)
+            except ScorerUnavailableError as e:
+                return self._failure(route.name, ScoringFailure.SCORER_UNAVAILABLE, str(e), started)
+            except Exception as e:
+                error = _described(e)
+                log.info(
+                    "scorer %s failed on a %s item: %s", route.name, request.data_source, error
+                )
+                failure, message = await self._blame(route, request, error)
+                return self._failure(route.name, failure, message, started)
+        return ScoringResult(score, route.name, time.monotonic() - started)
 
     async def score_stream(
         self, items: AsyncIterator[tuple[str, ScoringRequest]]
@@ -216,6 +232,39 @@ class RewardService:
                 f"scorer ran past its {timeout:g}s limit and was stopped"
             ) from None
 
-    def _failure(self, name: str, message: str, started: float) -> ScoringResult:
+    async def _blame(
+        self, route: Route, request: ScoringRequest, error: str
+    ) -> tuple[ScoringFailure, str]:
+        """Whose fault the scorer's `error` on `request` is: it grades the ground truth alone
+        in the response's place; a scorer that cannot is broken (turnrl/failures.py)."""
+        try:
+            await self._run(route, _ground_truth_alone(request))
+        except Exception as e:
+            message = f"{error}; it failed on the ground truth alone too: {_described(e)}"
+            log.warning(
+                "scorer %s is broken on a %s item: %s", route.name, request.data_source, message
+            )
+            return ScoringFailure.SCORER_BROKEN, message
+        return ScoringFailure.SCORER_FAILED_ON_RESPONSE, error
+
+    def _failure(
+        self, name: str, failure: ScoringFailure, message: str, started: float
+    ) -> ScoringResult:
         score = Score(self._config.error_score, {"error": message})
-        return ScoringResult(score, name, time.monotonic() - started, error=message)
+        return ScoringResult(score, name, time.monotonic() - started, failure)
+
+
+def _described(error: Exception) -> str:
+    """A scorer's failure in words: the pool's own message, or the exception's type and text."""
+    if isinstance(error, ScorerFailedError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
+
+
+def _ground_truth_alone(request: ScoringRequest) -> ScoringRequest:
+    """`request` with the model's part taken out: the ground truth (as text) as the response,
+    and the conversation up to the first model turn."""
+    truth = request.ground_truth
+    text = truth if isinstance(truth, str) else "" if truth is None else json.dumps(truth)
+    prompt = itertools.takewhile(lambda m: m.get("role") != "assistant", request.messages)
+    return dataclasses.replace(request, response_text=text, messages=list(prompt))

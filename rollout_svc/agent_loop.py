@@ -9,9 +9,11 @@ Each run builds its `Trajectory` (turnrl/trajectory.py) turn by turn: the segmen
 conversation's messages live there and nowhere else. Token ids come from the engine as they are
 and are never re-tokenized; only new non-model messages are tokenized, by `ConversationTokens`
 (the chat template's difference rule). A malformed call, an unknown tool, a tool timeout or a
-dead tool service becomes a tool message the model reads, never a lost trajectory; a call the
-tool service could not run (down, past its deadline, overloaded) is also counted in the
-trajectory's `tool_infra_errors` metric, so that the trainer keeps it out of the loss.
+dead tool service becomes a tool message the model reads, never a lost trajectory. Whose fault
+each failure is follows turnrl/failures.py: a call the system failed (the tool service down or
+overloaded, the caller's deadline spent in its queue, a tool that could not start) is also
+counted in the trajectory's `tool_infra_errors` metric, and a scorer's failure the system
+caused comes back as `reward.error`; the trainer keeps both out of the loss.
 """
 
 import asyncio
@@ -33,28 +35,13 @@ from rollout_svc.parsers import ParsedTurn
 from rollout_svc.tool_client import ToolClient
 from turnrl.chat_tokens import ConversationTokens
 from turnrl.errors import RpcError
+from turnrl.failures import MODEL_TOOL_ERROR_KINDS, tool_rpc_error_is_models
 from turnrl.messages import dict_to_message
 from turnrl.replicas import ReplicaSet
 from turnrl.trajectory import FinishReason, Segment, SegmentSource, Trajectory, TurnMetrics
 from turnrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, tool_pb2
 
 log = logging.getLogger(__name__)
-
-# Statuses of a tool call that the model got wrong (the service refused the call it wrote); any
-# other status means the tool service could not run the call: an infrastructure failure.
-MODEL_CAUSED_STATUSES = frozenset(
-    {"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "OUT_OF_RANGE"}
-)
-# Error results of calls the tool service took on but could not run: a limit refused the call,
-# a dependency was unreachable, the tool has a bug. A timeout is not among them: the model's own
-# code may be what ran too long.
-INFRA_ERROR_KINDS = frozenset(
-    {
-        tool_pb2.ToolError.KIND_RATE_LIMITED,
-        tool_pb2.ToolError.KIND_UNAVAILABLE,
-        tool_pb2.ToolError.KIND_INTERNAL,
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -338,12 +325,13 @@ class _Run:
             )
         except RpcError as e:
             text = f"Error: the tool service could not run {name!r}: {e.status}: {e.details}"
-            return text, True, e.status not in MODEL_CAUSED_STATUSES
+            rpc = e.method.rpartition("/")[2]  # CreateSession or Execute
+            return text, True, not tool_rpc_error_is_models(rpc, e.status)
         result = reply.result
         if result.HasField("step_reward"):
             self.step_rewards.append(result.step_reward)
         failed = result.HasField("error")
-        return result.text, failed, failed and result.error.kind in INFRA_ERROR_KINDS
+        return result.text, failed, failed and result.error.kind not in MODEL_TOOL_ERROR_KINDS
 
     def _turn_seed(self) -> int | None:
         """The caller's seed made distinct per trajectory and turn: one seed for all would give

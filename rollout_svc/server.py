@@ -132,6 +132,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             finished_trajectories=stats["finished_trajectories"],
             uptime=uptime,
             weight_sync_ranks=stats["weight_sync_ranks"],
+            weights_incomplete_reason=stats["weights_incomplete_reason"],
             metrics={k: float(v) for k, v in stats["metrics"].items()},
         )
 

@@ -23,7 +23,12 @@ from transformers import AutoTokenizer
 from rollout_svc.agent_loop import AgentLoop, PromptSpec, RolloutLimits
 from rollout_svc.config import InteractionEntry, RolloutConfig
 from rollout_svc.engines import ENGINES
-from rollout_svc.engines.base import Engine, SamplingParams, ServerHeldWeights
+from rollout_svc.engines.base import (
+    Engine,
+    SamplingParams,
+    ServerHeldWeights,
+    broken_push_error,
+)
 from rollout_svc.interactions import INTERACTIONS
 from rollout_svc.interactions.base import Interaction
 from rollout_svc.parsers import PARSERS
@@ -148,7 +153,10 @@ class RolloutService:
     ) -> AsyncIterator[Trajectory]:
         """Rolls out `n` samples of every prompt; yields each trajectory as it finishes.
         Raises InvalidArgumentError, before any rollout, for a prompt that names a tool the
-        tool service does not serve."""
+        tool service does not serve; FailedPreconditionError while the engine's weights are
+        incomplete after a broken push."""
+        if (broken := self._engine.broken_push_version) is not None:
+            raise broken_push_error(broken)
         if not prompts:
             raise InvalidArgumentError("prompts is empty")
         if n < 1:
@@ -245,16 +253,19 @@ class RolloutService:
         """Receives weights the trainer broadcasts in `layout` and loads each bucket while the
         next one arrives (or has the engine's server receive them); (version, bytes, seconds).
 
-        The engine takes `policy_version` with the last bucket, so a broadcast that breaks
-        off leaves the old version on the weights loaded so far (the next push, being newer,
-        replaces all of them). Tensors an engine in this process would refuse are received and
-        dropped, so the trainer's broadcast still completes, and the refusal is raised after.
+        The engine takes `policy_version` with the last bucket. A broadcast that breaks off
+        (FailedPreconditionError) leaves the weights a mix of two versions: the engine refuses
+        to generate until a complete push (`Engine.begin_weight_update`). Tensors an engine in
+        this process would refuse are received and dropped, so the trainer's broadcast still
+        completes, and the refusal is raised after.
         """
         self._check_version(policy_version)
         if bucket_size_bytes <= 0:
             raise InvalidArgumentError(
                 f"bucket_size_bytes must be positive, got {bucket_size_bytes}"
             )
+        if not metas:
+            raise InvalidArgumentError("tensors is empty; an update names at least one")
         started = time.monotonic()
         size = sum(meta.nbytes for meta in metas)
         if isinstance(self._engine, ServerHeldWeights):
@@ -274,12 +285,24 @@ class RolloutService:
             if refusal is None:
                 place = await self._engine.weight_buffer(metas, bucket_size_bytes)
             buckets = self._receiver.receive(group_name, metas, bucket_size_bytes, layout, place)
+            if refusal is None:  # from here the broadcast may land in the engine's weights
+                await self._engine.begin_weight_update(policy_version)
             old_version, loaded = self._engine.policy_version, 0
-            async for bucket in buckets:
-                if refusal is None:
-                    loaded += len(bucket)
-                    version = policy_version if loaded == len(metas) else old_version
-                    await self._load(bucket, version)
+            try:
+                async for bucket in buckets:
+                    if refusal is None:
+                        loaded += len(bucket)
+                        version = policy_version if loaded == len(metas) else old_version
+                        await self._load(bucket, version)
+            except Exception as e:
+                if refusal is None:  # else the engine's weights were never touched
+                    log.error(
+                        "weight push to version %d broke off (%s); generation is refused "
+                        "until a complete push",
+                        policy_version,
+                        e,
+                    )
+                raise
         if refusal is not None:
             raise refusal
         return self._engine.policy_version, size, time.monotonic() - started
@@ -304,9 +327,11 @@ class RolloutService:
         await self._engine.watch()
 
     def stats(self) -> dict[str, Any]:
+        broken = self._engine.broken_push_version
         return {
             "engine": self._config.engine,
             "policy_version": self._engine.policy_version,
+            "weights_incomplete_reason": "" if broken is None else str(broken_push_error(broken)),
             "paused": self._paused,
             "running_trajectories": self.in_flight,
             "finished_trajectories": self._finished,

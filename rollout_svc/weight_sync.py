@@ -72,7 +72,7 @@ class WeightReceiver:
             leave_group(self._group)
             self._group = None
 
-    async def receive(
+    def receive(
         self,
         group_name: str,
         metas: list[TensorMeta],
@@ -88,6 +88,11 @@ class WeightReceiver:
         without it, in a staging buffer that the next update overwrites: load (copy) those
         tensors before receiving again. A caller that stops early still receives the rest
         (unyielded), so the trainer's broadcast completes.
+
+        Raises at once, before anything lands: FailedPreconditionError without a group of
+        that name, ValueError when `into` is laid out for another update. While receiving:
+        FailedPreconditionError when the broadcast breaks off (the sender went away, the group
+        timed out), naming how many buckets had landed.
         """
         if self._group is None or group_name != self._group_name:
             raise FailedPreconditionError(
@@ -101,20 +106,33 @@ class WeightReceiver:
                 self._staging = into.data
         elif not into.matches(metas, bucket_size_bytes):
             raise ValueError("`into` is laid out for another update")
-        group, loop = self._group, asyncio.get_running_loop()
+        return self._receive_buckets(self._group, into, layout)
+
+    async def _receive_buckets(
+        self, group: dist.ProcessGroup, into: BucketedWeights, layout: str
+    ) -> AsyncIterator[list[tuple[str, torch.Tensor]]]:
+        loop = asyncio.get_running_loop()
         arrived: asyncio.Queue[int | None] = asyncio.Queue()  # None: the broadcast failed
+        group_name, count = self._group_name, len(into.buckets)
 
         def receive_all() -> None:
             """Receives the buckets in turn (in a worker thread), announcing each as it lands:
             the next one is posted at once, not when the event loop gets round to it."""
+            index = 0
             try:
-                for index in range(len(into.buckets)):
+                for index in range(count):
                     pieces = into.broadcast_pieces(index, layout)
                     for piece in pieces:
                         broadcast(group, piece)
                     if layout == "flattened_buckets":
                         into.unflatten(index, pieces)
                     loop.call_soon_threadsafe(arrived.put_nowait, index)
+            except RuntimeError as e:  # torch's DistBackendError: a peer left, a timeout
+                loop.call_soon_threadsafe(arrived.put_nowait, None)
+                raise FailedPreconditionError(
+                    f"the weight broadcast on group {group_name!r} broke off after {index} of "
+                    f"{count} buckets: {e}"
+                ) from e
             except BaseException:
                 loop.call_soon_threadsafe(arrived.put_nowait, None)
                 raise

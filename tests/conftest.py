@@ -4,7 +4,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import signal
 import socket
 import sys
@@ -20,6 +19,7 @@ from tests.fixture_files import FixturesUnavailableError, resolve_fixtures
 from turnrl import rpc
 from turnrl.config import REPO_ROOT, ServerConfig
 from turnrl_cli.project_config import SERVICE_NAMES
+from turnrl_cli.up_table import UP_TABLE_ROW as UP_TABLE_ROW  # re-exported: tests import it here
 from turnrl_demo.tiny_model import build_tiny_model
 
 # Asyncio debug mode in every test loop and child service: slow callbacks (>100 ms) are reported.
@@ -29,10 +29,6 @@ EXAMPLE_CONFIG = REPO_ROOT / "examples" / "calculator" / "config.yaml"
 
 # Overrides that put every service on a free port.
 FREE_PORTS = [f"{name}.server.port=0" for name in SERVICE_NAMES]
-# A row of `turnrl up`'s address table: service (with #replica after the first), address, pid.
-UP_TABLE_ROW = re.compile(
-    r"((?:tool|reward|rollout|trainer)(?:#\d+)?)\s*│\s*(127\.0\.0\.1:\d+)\s*│\s*pid (\d+)"
-)
 STARTUP_TIMEOUT_SECONDS = 60.0
 
 

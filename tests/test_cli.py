@@ -105,6 +105,38 @@ async def test_score_prints_one_json_object_per_item(tmp_path):
     assert "INVALID_ARGUMENT" in stderr and "unknown data_source 'gsm8k_v2'" in stderr
 
 
+async def test_score_ground_truth_is_json_or_a_bare_string():
+    # A list of gold answers reaches the scorer as a list, not as the text '["paris", ...]'; a
+    # bare word that is not JSON is the string it spells.
+    def score_nq(ground_truth: str, answer: str):
+        return run_turnrl(
+            "score", "--addr", reward.address, "--data-source", "nq",
+            "--ground-truth", ground_truth, "--response", f"<answer>{answer}</answer>",
+        )  # fmt: skip
+
+    async with serve_subprocess("reward") as reward:
+        results = await asyncio.gather(
+            score_nq('["paris", "france"]', "France"),
+            score_nq('{"target": ["Paris"]}', "paris"),
+            score_nq("Paris", "paris"),
+            score_nq('"Paris"', "paris"),
+        )
+    for code, stdout, stderr in results:
+        assert code == 0, stderr
+        assert json.loads(stdout)["score"] == 1.0
+
+
+async def test_score_refuses_a_ground_truth_that_is_broken_json():
+    # Text that opens like a JSON list, object or string but does not parse is a typo, not a
+    # gold answer spelled '["paris"'; the command fails before calling the service.
+    code, stdout, stderr = await run_turnrl(
+        "score", "--data-source", "nq", "--ground-truth", '["paris"', "--response", "x",
+        "--addr", "127.0.0.1:1",
+    )  # fmt: skip
+    assert code == 2 and stdout == ""
+    assert "--ground-truth" in stderr and "'[\"paris\"'" in stderr
+
+
 async def test_score_input_with_invalid_utf8_names_the_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"response": "ok"}\n{"response": "caf\xe9"}\n')

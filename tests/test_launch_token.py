@@ -35,8 +35,14 @@ def test_a_token_is_made_when_a_started_service_is_exposed(overrides, needed):
     assert needs_launch_token(load_project_config(None, [*FREE_PORTS, *overrides])) is needed
 
 
+# Whether the token's variable was set when these tests began (it is not, unless exported).
+TOKEN_SET_BEFORE = LAUNCH_TOKEN_ENV in os.environ
+
+
 def test_the_token_goes_to_the_services_without_one(monkeypatch):
-    monkeypatch.delenv(LAUNCH_TOKEN_ENV, raising=False)
+    # setenv, not delenv: monkeypatch undoes only what it did, and delenv of an unset
+    # variable does nothing to undo, which would leave the token made here to later tests.
+    monkeypatch.setenv(LAUNCH_TOKEN_ENV, "a token from before this launch")
     project = load_project_config(
         None,
         [*FREE_PORTS, "launcher.auth_token=generate", "reward.server.auth_token_env=MY_TOKEN"],
@@ -51,6 +57,11 @@ def test_the_token_goes_to_the_services_without_one(monkeypatch):
     assert not any(token in override for override in overrides)
     launch_token_overrides(project)
     assert os.environ[LAUNCH_TOKEN_ENV] != token  # one per launch
+
+
+def test_no_launch_token_is_left_to_later_tests():
+    # Runs after the test above (pytest keeps a file's order), which makes tokens.
+    assert (LAUNCH_TOKEN_ENV in os.environ) is TOKEN_SET_BEFORE
 
 
 @pytest.mark.parametrize(

@@ -1,51 +1,40 @@
 """`turnrl run --launcher ray` on a real two-node Ray cluster on this machine (`ray start --head`
-and a second `ray start` joining it, each node with a resource of its own): 2 rollout replicas
-and 2 tool replicas, the trainer's 2 ranks on different nodes, one rollout replica killed in
-the middle of a step."""
+and a second `ray start` joining it, each node with a resource of its own; tests/ray_clusters.py
+keeps it apart from the user's Ray state): 2 rollout replicas and 2 tool replicas, the
+trainer's 2 ranks on different nodes, one rollout replica killed in the middle of a step."""
 
 import asyncio
 import json
 import os
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import ray
 import yaml
 
-from tests.conftest import EXAMPLE_CONFIG, free_port, ledger_keys, spawn_turnrl
+from tests.conftest import EXAMPLE_CONFIG, ledger_keys, run_turnrl, spawn_turnrl
+from tests.ray_clusters import ray_cluster as start_ray_cluster
 from turnrl import errors, rpc
 from turnrl.config import ClientConfig
 from turnrl.v1 import rollout_pb2, rollout_pb2_grpc
 
-RAY = str(Path(sys.executable).parent / "ray")
 NAMESPACE = "turnrl-test"
-STEPS = 6
+# Enough steps that the killed replica is back (its model loaded) before the run ends.
+STEPS = 12
 PROMPTS_PER_STEP = 4
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A head node with resource node_a and a second node with node_b; yields the address."""
-    port = free_port()
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    common = ["--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats"]
-    subprocess.run(
-        [RAY, "start", "--head", f"--port={port}", *common, '--resources={"node_a": 8}'],
-        env=env, check=True, capture_output=True,
-    )  # fmt: skip
-    address = f"127.0.0.1:{port}"
-    try:
-        subprocess.run(
-            [RAY, "start", f"--address={address}", "--num-cpus=4", '--resources={"node_b": 8}'],
-            env=env, check=True, capture_output=True,
-        )  # fmt: skip
+    nodes = [
+        ["--num-cpus=4", '--resources={"node_a": 8}'],
+        ["--num-cpus=4", '--resources={"node_b": 8}'],
+    ]
+    with start_ray_cluster(nodes) as address:
         yield address
-    finally:
-        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True)
 
 
 def _metric_lines(run_dir: Path) -> list[dict]:
@@ -55,12 +44,20 @@ def _metric_lines(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-async def _kill_rollout_replica_mid_step(address: str, run_dir: Path, token: str) -> str:
+def _rollout_replica(run_dir: Path, index: int) -> str:
+    """The address of rollout replica `index`, from the run's config."""
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    return config["trainer"]["rollout_service"]["address"].split(",")[index]
+
+
+async def _kill_rollout_replica_mid_step(
+    address: str, run_dir: Path, token: str, ca_file: Path
+) -> str:
     """Kills the server of rollout replica 1 (kill -9, as a crash) once trajectories run
     there; returns its address."""
-    config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    replica = config["trainer"]["rollout_service"]["address"].split(",")[1]
-    async with rpc.open_channel(ClientConfig(address=replica), token=token) as channel:
+    replica = _rollout_replica(run_dir, 1)
+    client = ClientConfig(address=replica, tls_ca_file=ca_file)
+    async with rpc.open_channel(client, token=token) as channel:
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
         request = rollout_pb2.GetStatsRequest()
         while not (await stub.GetStats(request, timeout=10)).running_trajectories:  # noqa: ASYNC110
@@ -69,17 +66,21 @@ async def _kill_rollout_replica_mid_step(address: str, run_dir: Path, token: str
     return replica
 
 
-def _launch_token() -> str:
+def _launch_token_and_ca() -> tuple[str, bytes]:
     """The bearer token the launcher made (its services bind their nodes' addresses), from
-    the environment of rollout replica 1's process."""
+    the environment of rollout replica 1's process, and the CA certificate of the launch's
+    TLS, beside the certificate its command line names."""
     pid = ray.get(ray.get_actor("rollout:1").pid.remote())
     variables = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     (token,) = [v.split(b"=", 1)[1] for v in variables if v.startswith(b"TURNRL_LAUNCH_TOKEN=")]
-    return token.decode()
+    arguments = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    prefix = "rollout.server.tls.cert_file="
+    (cert_file,) = [a.removeprefix(prefix) for a in arguments if a.startswith(prefix)]
+    return token.decode(), (Path(cert_file).parent / "ca.pem").read_bytes()
 
 
-async def _refused_without_token(replica: str) -> str:
-    async with rpc.open_channel(ClientConfig(address=replica)) as channel:
+async def _status_of_get_stats(client: ClientConfig, token: str | None = None) -> str:
+    async with rpc.open_channel(client, token=token) as channel:
         try:
             await rollout_pb2_grpc.RolloutServiceStub(channel).GetStats(
                 rollout_pb2.GetStatsRequest(), timeout=10
@@ -89,10 +90,11 @@ async def _refused_without_token(replica: str) -> str:
     return "OK"
 
 
-async def _answers_again(replica: str, token: str) -> None:
+async def _answers_again(replica: str, token: str, ca_file: Path) -> None:
     """Returns once the rollout replica at `replica` answers again: its launcher restarted it
     where it was."""
-    async with rpc.open_channel(ClientConfig(address=replica), token=token) as channel:
+    client = ClientConfig(address=replica, tls_ca_file=ca_file)
+    async with rpc.open_channel(client, token=token) as channel:
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
         while True:
             try:
@@ -148,11 +150,17 @@ async def test_a_run_on_two_ray_nodes_survives_a_lost_rollout_replica(
         async with asyncio.timeout(900):
             while not (run_dir / "config.yaml").exists():  # noqa: ASYNC110
                 await asyncio.sleep(0.1)
-            token = await asyncio.to_thread(_on_cluster, ray_cluster, _launch_token)
-            killed = await _kill_rollout_replica_mid_step(ray_cluster, run_dir, token)
+            token, ca = await asyncio.to_thread(_on_cluster, ray_cluster, _launch_token_and_ca)
+            # A copy: the launch removes its own when it ends.
+            (ca_file := tmp_path / "ca.pem").write_bytes(ca)
+            killed = await _kill_rollout_replica_mid_step(ray_cluster, run_dir, token, ca_file)
+            # Asked at once, while the run goes on: replica 0 is never killed.
+            replica_0 = _rollout_replica(run_dir, 0)
+            with_tls = ClientConfig(address=replica_0, tls_ca_file=ca_file)
+            without_token = await _status_of_get_stats(with_tls)
+            plaintext = await _status_of_get_stats(ClientConfig(address=replica_0), token)
             placed = await asyncio.to_thread(_on_cluster, ray_cluster, _service_nodes)
-            await _answers_again(killed, token)
-            refused = await _refused_without_token(killed)
+            await _answers_again(killed, token, ca_file)
             _, stderr = await output
             await process.wait()
     finally:
@@ -160,8 +168,10 @@ async def test_a_run_on_two_ray_nodes_survives_a_lost_rollout_replica(
             process.send_signal(signal.SIGINT)
             await process.wait()
     assert process.returncode == 0, stderr.decode()[-4000:]
-    # Bound to its node's address, a service takes the token its launcher made, only.
-    assert refused == "UNAUTHENTICATED"
+    # Bound to its node's address, a service takes the token its launcher made, only, and
+    # over TLS only (launcher.tls auto): a plaintext call fails its handshake.
+    assert without_token == "UNAUTHENTICATED"
+    assert plaintext == "UNAVAILABLE"
 
     # Resources put each service where it asked to be; the trainer's ranks on both nodes.
     assert placed["rollout:0"] == placed["rollout:1"] == "node_b"
@@ -210,3 +220,22 @@ def _named_actors() -> list[str]:
             continue
         alive.append(name)
     return alive
+
+
+async def test_placement_waits_as_long_as_launcher_startup_timeout_seconds(
+    ray_cluster, example_on_tiny_model
+):
+    # The cluster has the CPUs in all, but no node has 2 x 3 of them for strict_pack. Before,
+    # placement waited a fixed 120 s, past this test's time.
+    code, _, stderr = await run_turnrl(
+        "up", "--config", str(EXAMPLE_CONFIG), "--launcher", "ray", "--check",
+        *example_on_tiny_model, f"launcher.ray.address={ray_cluster}",
+        f"launcher.ray.namespace={NAMESPACE}", "tool.replicas=2",
+        "launcher.ray.tool.num_cpus=3", "launcher.ray.tool.placement=strict_pack",
+        "launcher.startup_timeout_seconds=3",
+        timeout_seconds=100,
+    )  # fmt: skip
+    assert code == 1
+    message = " ".join(stderr.split())  # as the terminal wrapped it, unwrapped
+    assert "Ray could not place 2 x {'CPU': 3.0} (strict_pack) for the tool service" in message
+    assert "within 3s (launcher.startup_timeout_seconds)" in message

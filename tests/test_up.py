@@ -12,12 +12,12 @@ from google.protobuf import struct_pb2
 from turnrl import errors, rpc
 from turnrl.config import CLIENT_TOKEN_ENV, ClientConfig
 from turnrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, tool_pb2, tool_pb2_grpc
+from turnrl_cli.up_table import UP_READY_LINE, UP_TABLE_ROW
 
 from .conftest import (
     EXAMPLE_CONFIG,
     FREE_PORTS,
     SERVICE_NAMES,
-    UP_TABLE_ROW,
     run_turnrl,
     serve_subprocess,
     spawn_turnrl,
@@ -66,7 +66,7 @@ async def test_up_starts_each_replica_and_points_the_rollout_replicas_at_all_pee
             async for raw in process.stdout:
                 if match := UP_TABLE_ROW.search(line := raw.decode()):
                     rows[match.group(1)] = (match.group(2), int(match.group(3)))
-                if "Ctrl-C stops them" in line:
+                if UP_READY_LINE in line:
                     break
         assert set(rows) == {"tool", "tool#1", "reward", "rollout", "rollout#1", "trainer"}
         assert len({address for address, _ in rows.values()}) == 6
@@ -103,7 +103,7 @@ async def start_up_with_addresses(
             if match := UP_TABLE_ROW.search(line):
                 pids[match.group(1)] = int(match.group(3))
                 addresses[match.group(1)] = match.group(2)
-            if "Ctrl-C stops them" in line:
+            if UP_READY_LINE in line:
                 break
     assert set(pids) == set(SERVICE_NAMES)
     return process, pids, addresses

@@ -17,9 +17,10 @@ from turnrl import rpc, service_main
 from turnrl.errors import InvalidArgumentError
 from turnrl.v1 import common_pb2, tool_pb2, tool_pb2_grpc
 
-# Kept back from the caller's deadline, so that a TIMEOUT result or RESOURCE_EXHAUSTED reaches
-# the caller before it gives up: a tenth of the time left, within [0.05 s, 1 s], since stopping
-# a call (killing a sandbox, removing its cgroup) takes longer on a loaded machine.
+# Kept back from the caller's deadline, so that a DEADLINE_EXCEEDED result or
+# RESOURCE_EXHAUSTED reaches the caller before it gives up: a tenth of the time left, within
+# [0.05 s, 1 s], since stopping a call (killing a sandbox, removing its cgroup) takes longer on
+# a loaded machine.
 RESPONSE_MARGIN_FRACTION = 0.1
 RESPONSE_MARGIN_BOUNDS_SECONDS = (0.05, 1.0)
 # A Timestamp, like a datetime, ends with the year 9999.

@@ -1,9 +1,12 @@
 """ToolService: the tool registry, sessions with a TTL, per-tool limits, timeouts and metrics.
 
 A plain async class (no gRPC): `server.py` converts protos to these calls and back. Every
-failure of a call on the model's behalf comes back as an error `ToolResult` the model reads;
-only a call the service cannot take on (queue full, no slot before the deadline, too many
-sessions) raises, as ResourceExhaustedError.
+failure of a call on the model's behalf comes back as an error `ToolResult` the model reads,
+whose kind says whose fault it is (turnrl/failures.py): a call that ran past the tool's own
+`call_timeout_seconds` is the model's TIMEOUT; one the caller's deadline stopped first (it
+waited in the queue, or the deadline was shorter) is the system's DEADLINE_EXCEEDED. Only a
+call the service cannot take on (queue full, no slot before the deadline, too many sessions)
+raises, as ResourceExhaustedError.
 """
 
 import asyncio
@@ -217,17 +220,26 @@ class ToolService:
     async def _run(
         self, tool: Tool, state: Any, args: dict[str, Any], deadline: float | None
     ) -> ToolResult:
-        limits = self._limits[tool.name]
+        limit = self._limits[tool.name].call_timeout_seconds
+        caller_deadline_first = False
         try:
             async with self._limiters[tool.name].slot(deadline):
-                timeout = limits.call_timeout_seconds
+                timeout = limit
                 if deadline is not None:
-                    timeout = min(timeout, deadline - asyncio.get_running_loop().time())
+                    left = deadline - asyncio.get_running_loop().time()
+                    caller_deadline_first = left < limit
+                    timeout = min(limit, left)
                 async with asyncio.timeout(max(timeout, 0.0)):
                     result = await tool.execute(state, args)
         except RateLimitedError as e:
             return ToolResult.failure(ToolErrorKind.RATE_LIMITED, str(e))
         except TimeoutError:
+            if caller_deadline_first:  # the call never had the tool's own limit to spend
+                return ToolResult.failure(
+                    ToolErrorKind.DEADLINE_EXCEEDED,
+                    f"tool {tool.name!r} was stopped after {max(timeout, 0.0):.3g}s: the "
+                    f"caller's deadline came before the tool's own {limit:g}s limit",
+                )
             return ToolResult.failure(
                 ToolErrorKind.TIMEOUT,
                 f"tool {tool.name!r} did not finish within {timeout:.3g}s and was stopped",

@@ -16,18 +16,24 @@ version k - η; η = 0 is on-policy, the sync loop's order of events). And a buf
 a model token more than η versions older than the policy being trained is not trained on: its
 prompt is rolled out again with the current policy (re-generated rather than dropped, so that
 no prompt of the epoch goes untrained). A group with no usable trajectory (every one hit by an
-infrastructure failure, or aborted) is rolled out again too.
+infrastructure failure, or aborted) is rolled out again too, and logged with its causes, within
+bounds (`async_loop.max_group_attempts`, `max_unusable_share`) past which the run stops naming
+them. Any other failure of the tasks that start and roll out groups stops the run with its
+error at once.
 
 A checkpoint holds, beside the sync loop's state, the positions of every prompt drawn and not
-yet settled (in flight, buffered, waiting to be rolled out again); a resumed run rolls those
-out first, so no prompt is skipped or trained twice (trainer_svc/ledger.py writes what each
-step settled).
+yet settled (in flight, buffered, filtered since the last step, waiting to be rolled out
+again); a resumed run rolls those out first, so no prompt is skipped or trained twice. A step
+writes its one line of the prompt ledger (trainer_svc/ledger.py) when it takes its batch: the
+groups it trains and those filtered since the step before. So the ledger's lines up to a step
+are final before that step's checkpoint, whose pending positions are every drawn group they
+do not settle, taken at one moment of the event loop.
 """
 
 import asyncio
 import collections
+import logging
 import time
-import uuid
 from typing import Any
 
 from trainer_svc.controller import Controller
@@ -36,6 +42,7 @@ from trainer_svc.rl_step import RolloutBatch, infra_failed
 from trainer_svc.weight_push import CONTROL_TIMEOUT_SECONDS, PushResult
 from turnrl.trajectory import Trajectory
 
+logger = logging.getLogger(__name__)
 # What each step reports of the groups and trajectories since the step before.
 COUNTED = (
     "filtered_groups",  # dynamic sampling: rewards all equal
@@ -56,23 +63,29 @@ class AsyncController(Controller):
         self._producer: asyncio.Task | None = None  # starts the groups; from the first step on
         self._in_flight: dict[int, asyncio.Task] = {}  # by sampler position
         self._again: collections.deque[int] = collections.deque()  # to roll out again first
+        # Filtered since the last step: settled in the next step's ledger line.
+        self._filtered: list[Group] = []
+        self._unusable_attempts: collections.Counter[int] = collections.Counter()  # by position
         self._taken_unpushed = 0  # groups of the step being trained, until its push
         self._pushed_steps = 0
         self._failure: Exception | None = None
         self._counts: collections.Counter[str] = collections.Counter()  # since the last step
+        self._groups_back = 0  # groups whose call ended since the last step, usable or not
         self._generated_tokens = 0
         self._infra_failures = 0  # trajectories a tool or reward call could not run for
         self._last_take = time.monotonic()
-        # Generate request ids of this process: a resumed run's never collide with calls of
-        # the killed one that the rollout service may still be ending.
-        self._calls = uuid.uuid4().hex[:8]
 
     def _resume_from(self, state: dict[str, Any]) -> None:
         super()._resume_from(state)
         self._again.extend(state.get("pending_positions", []))
 
     def _loop_state(self) -> dict[str, Any]:
-        pending = set(self._in_flight) | set(self.buffer.positions()) | set(self._again)
+        pending = {
+            *self._in_flight,
+            *self.buffer.positions(),
+            *self._again,
+            *(group.position for group in self._filtered),
+        }
         return {**super()._loop_state(), "pending_positions": sorted(pending)}
 
     async def _train_to_end(self) -> None:
@@ -101,15 +114,26 @@ class AsyncController(Controller):
         return pushed
 
     async def _keep_generating(self) -> None:
-        """Starts prompt groups whenever the staleness budget and `max_groups_in_flight` allow."""
+        """Starts prompt groups whenever the staleness budget and `max_groups_in_flight` allow;
+        a failure stops the run."""
         async with self._changed:
-            while True:
-                await self._changed.wait_for(self._may_start_group)
-                position = (
-                    self._again.popleft() if self._again else self.sampler.next_positions(1)[0]
-                )
-                group = Group(position, self.sampler.record_at(position))
-                self._in_flight[position] = asyncio.create_task(self._roll_out(group))
+            try:
+                while True:
+                    await self._changed.wait_for(self._may_start_group)
+                    position = (
+                        self._again.popleft() if self._again else self.sampler.next_positions(1)[0]
+                    )
+                    group = Group(position, self.sampler.record_at(position))
+                    self._in_flight[position] = asyncio.create_task(self._roll_out(group))
+            except Exception as e:
+                self._fail(RuntimeError(f"starting a prompt group failed: {e!r}"), e)
+                self._changed.notify_all()
+
+    def _fail(self, error: Exception, cause: BaseException | None = None) -> None:
+        """Stops the run with `error` (the first one: the next step raises it)."""
+        logger.error("async loop: %s", error, exc_info=cause)
+        error.__cause__ = cause
+        self._failure = self._failure or error
 
     def _may_start_group(self) -> bool:
         settings = self.config.async_loop
@@ -122,16 +146,18 @@ class AsyncController(Controller):
         return self._failure is None and outstanding < budget and len(self._in_flight) < limit
 
     async def _roll_out(self, group: Group) -> None:
-        """One group's Generate call, into the buffer; a failed call stops the run."""
-        request = self._generate_request(
-            [group.record], [group.key], f"{self._calls}/g{group.key}", training=True
-        )
+        """One group's Generate call, into the buffer; any failure (the rollout service's, or
+        a request that cannot be built) stops the run. The group stays in flight then, so a
+        checkpoint still counts it pending."""
         try:
+            request = self._generate_request(
+                [group.record], [group.key], f"g{group.key}", training=True
+            )
             group.trajectories = await self.router.generate(
                 request, timeout_seconds=self.config.rollout.timeout_seconds
             )
-        except Exception as e:  # the rollout service failed; the next step reports it
-            self._failure = self._failure or e
+        except Exception as e:
+            self._fail(RuntimeError(f"prompt group {group.key}: {type(e).__name__}: {e}"), e)
         else:
             del self._in_flight[group.position]
             self._admit(group)
@@ -141,16 +167,51 @@ class AsyncController(Controller):
     def _admit(self, group: Group) -> None:
         self._infra_failures += sum(map(infra_failed, group.trajectories))
         self._generated_tokens += sum(t.metrics["model_tokens"] for t in group.trajectories)
+        self._groups_back += 1
         admission = self.buffer.add(group)
         if admission is Admission.UNUSABLE:
             self._again.append(group.position)
             self._counts["regenerated_unusable_groups"] += 1
-        elif admission is Admission.FILTERED:
-            # Settled now, in the step under way: a checkpoint taken after this no longer
-            # counts the group as pending, and one taken before it does (and the resumed run,
-            # rewinding the ledger to that step, rolls it out again).
-            self.ledger.record(self.step, filtered=[group.key])
+            self._check_unusable(group)
+            return
+        del self._unusable_attempts[group.position]
+        if admission is Admission.FILTERED:
+            self._filtered.append(group)
             self._counts["filtered_groups"] += 1
+
+    def _check_unusable(self, group: Group) -> None:
+        """Logs why `group` came back unusable; stops the run when it or its step's groups
+        passed their bound."""
+        settings = self.config.async_loop
+        self._unusable_attempts[group.position] += 1
+        attempts = self._unusable_attempts[group.position]
+        why = group.why_unusable()
+        logger.warning(
+            "prompt group %s came back unusable (attempt %d of %d): %s",
+            group.key,
+            attempts,
+            settings.max_group_attempts,
+            why,
+        )
+        unusable, back = self._counts["regenerated_unusable_groups"], self._groups_back
+        if attempts >= settings.max_group_attempts:
+            self._fail(
+                RuntimeError(
+                    f"prompt group {group.key} came back unusable {attempts} times "
+                    f"(async_loop.max_group_attempts={settings.max_group_attempts}); the last "
+                    f"time: {why}"
+                )
+            )
+        elif back >= self.config.rollout.prompts_per_step and (
+            unusable / back > settings.max_unusable_share
+        ):
+            self._fail(
+                RuntimeError(
+                    f"{unusable} of the {back} prompt groups back since step {self.step} were "
+                    f"unusable, more than async_loop.max_unusable_share="
+                    f"{settings.max_unusable_share}; the last ({group.key}): {why}"
+                )
+            )
 
     async def _rollout(self) -> tuple[list[Trajectory], dict[str, float]]:
         """The oldest prompts_per_step fresh groups of the buffer, once there are that many;
@@ -163,9 +224,7 @@ class AsyncController(Controller):
         async with self._changed:
             while True:
                 if self._failure is not None:
-                    raise RuntimeError(
-                        f"step {self.step}: a Generate call failed: {self._failure}"
-                    ) from self._failure
+                    raise RuntimeError(f"step {self.step}: {self._failure}") from self._failure
                 stale = self.buffer.remove_stale(
                     self._policy_version, self.config.async_loop.max_staleness
                 )
@@ -178,7 +237,10 @@ class AsyncController(Controller):
                 await self._changed.wait()
             groups = self.buffer.take(per_step)
             self._taken_unpushed = per_step
-        self.ledger.record(self.step, trained=[g.key for g in groups])
+        filtered, self._filtered = self._filtered, []
+        self.ledger.record(
+            self.step, trained=[g.key for g in groups], filtered=[g.key for g in filtered]
+        )
         now = time.monotonic()
         metrics = {
             "time/rollout": now - started,  # waiting for a batch: 0 when one was ready
@@ -189,5 +251,6 @@ class AsyncController(Controller):
             **{f"async/{name}": float(self._counts[name]) for name in COUNTED},
         }
         self._counts.clear()
+        self._groups_back = 0
         self._generated_tokens, self._infra_failures, self._last_take = 0, 0, now
         return [t for group in groups for t in group.trajectories], metrics

@@ -11,6 +11,8 @@ from pydantic import Field, model_validator
 from turnrl.calculator_data import ProblemSettings
 from turnrl.config import DEFAULT_PORTS, ClientConfig, ServerConfig, StrictModel
 
+RUNS_FOLDER = Path("runs")  # the default trainer.output_dir, and so the default runs root
+
 
 class TrainSettings(StrictModel):
     """Optimiser, schedule, precision and memory settings of one trained model: the policy's
@@ -323,6 +325,20 @@ class AsyncLoopConfig(StrictModel):
         "starved while filtered groups (dynamic sampling) are replaced; one that then turns "
         "out too stale is rolled out again.",
     )
+    max_group_attempts: int = Field(
+        default=3,
+        ge=1,
+        description="Times one prompt group may come back unusable (no trajectory to train on) "
+        "and be rolled out again; the last stops the run, naming why.",
+    )
+    max_unusable_share: float = Field(
+        default=0.5,
+        gt=0.0,
+        le=1.0,
+        description="Share of the groups back since the last step (once prompts_per_step are) "
+        "that may be unusable; more stops the run, naming why (an unknown data_source, a "
+        "scorer that always fails). 1: only max_group_attempts bounds them.",
+    )
 
 
 class SftConfig(StrictModel):
@@ -385,7 +401,13 @@ class TrainerConfig(StrictModel):
         default_factory=AsyncLoopConfig, description="The async loop (loop: async)."
     )
     output_dir: Path = Field(
-        default=Path("runs"), description="Runs are written to <output_dir>/<run name>/."
+        default=RUNS_FOLDER,
+        description="Runs are written to <output_dir>/<run name>/, inside the runs root.",
+    )
+    runs_root: Path | None = Field(
+        default=None,
+        description="The trainer service's own (a run's is ignored): StartRun refuses with "
+        "INVALID_ARGUMENT a run folder that resolves outside it. None: its trainer.output_dir.",
     )
     model_path: str | None = Field(
         default=None,

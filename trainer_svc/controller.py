@@ -16,8 +16,10 @@ report, the end of the run.
 """
 
 import asyncio
+import functools
 import logging
 import time
+import uuid
 from dataclasses import replace
 from typing import Any
 
@@ -57,6 +59,12 @@ MIB = 1024 * 1024
 
 class Controller(RunLoop):
     """Runs one RL run to its end, or until `request_stop`."""
+
+    @functools.cached_property
+    def _calls(self) -> str:
+        """The mark of this trainer process's Generate request ids: a resumed run's never
+        collide with calls of the killed one that the rollout service may still be ending."""
+        return uuid.uuid4().hex[:8]
 
     async def run(self, resume: bool) -> dict[str, Any]:
         """Trains to `config.steps` or a stop; returns the summary written to summary.json."""
@@ -226,7 +234,7 @@ class Controller(RunLoop):
             ),
             max_turns=request_config.max_turns,
             enable_scoring=True,
-            request_id=f"{self.run_dir.name}/{tag}",
+            request_id=f"{self.run_dir.name}/{self._calls}/{tag}",
         )
 
     async def _push(self) -> PushResult:
@@ -319,12 +327,15 @@ class Controller(RunLoop):
 
     async def _checkpoint(self) -> None:
         state = await self.ranks.run(checkpoint_state)
-        await self._save_checkpoint({**state, **self._loop_state()})
+        # The loop's state is taken here, with no await before the write, so it is the loop's
+        # at one moment of the event loop.
+        state["generator"] = self.generator.get_state()
+        await self._save_checkpoint(state, self._loop_state())
 
     def _loop_state(self) -> dict[str, Any]:
-        """What a checkpoint holds of the loop beside the models: the data position and the
-        mini-batch order's generator."""
-        return {"data_position": self.sampler.position, "generator": self.generator.get_state()}
+        """What a checkpoint holds of the loop beside the models and the mini-batch order's
+        generator, as JSON values: the data position."""
+        return {"data_position": self.sampler.position}
 
     def _summary(self, wall_seconds: float) -> dict[str, Any]:
         report = self.report

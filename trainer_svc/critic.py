@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForTokenClassification
 
+from trainer_svc.batch import Batch
 from trainer_svc.config import TrainSettings
-from trainer_svc.fsdp import Batch, FsdpModel
+from trainer_svc.fsdp import FsdpModel
 
 # loss_fn(micro, values) -> (loss, metrics), the contract in trainer_svc.fsdp's docstring.
 ValueLossFn = Callable[[Batch, Tensor], tuple[Tensor, dict[str, float]]]

@@ -153,26 +153,58 @@ def _rows(path: Path) -> list[dict[str, Any]]:
 
 
 def _record(row: dict[str, Any], default_id: str, path: Path) -> PromptRecord:
+    """The prompt of one row, checked whole here: a row the rollout service's request cannot
+    carry fails the load, naming its field, never a step mid-run."""
     where = f"data file {path}, record {default_id}"
     messages = row.get("prompt")
     if not isinstance(messages, list) or not messages:
         raise ConfigError(f"{where}: `prompt` must be a non-empty list of chat messages")
-    extra_info = dict(row.get("extra_info") or {})
-    interaction = extra_info.pop("interaction_kwargs", None) or {}
+    extra_info = _json_object(row.get("extra_info") or {}, f"{where}: `extra_info")
+    interaction = _json_object(
+        extra_info.pop("interaction_kwargs", None) or {}, f"{where}: `extra_info.interaction_kwargs"
+    )
     reward_model = row.get("reward_model") or {}
-    if "ground_truth" not in reward_model:
+    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
         raise ConfigError(f"{where}: `reward_model.ground_truth` is missing")
+    _check_json(reward_model["ground_truth"], f"{where}: `reward_model.ground_truth")
     index = extra_info.get("index")
     return PromptRecord(
         prompt_id=f"{path.stem}-{index}" if index is not None else default_id,
-        messages=[{"role": m["role"], "content": m["content"]} for m in messages],
+        messages=[_prompt_message(m, f"{where}: `prompt[{i}]") for i, m in enumerate(messages)],
         data_source=str(row.get("data_source", "")),
         ground_truth=reward_model["ground_truth"],
-        tools_kwargs=_kwargs(extra_info.pop("tools_kwargs", None), f"{where}: `tools_kwargs`"),
+        tools_kwargs=_kwargs(extra_info.pop("tools_kwargs", None), f"{where}: `tools_kwargs"),
         interaction_name=str(interaction.get("name", "")),
         interaction_kwargs=_drop_nulls(interaction),
         extra_info=_drop_nulls(extra_info),
     )
+
+
+def _prompt_message(message: Any, where: str) -> dict[str, Any]:
+    """A prompt's chat message as the rollout service takes it: a known role, and text or a
+    list of text and image_url parts (`where` opens the field's name, closed here)."""
+    if not isinstance(message, dict):
+        raise ConfigError(f"{where}` must be a chat message (an object), got {message!r}")
+    role, content = message.get("role"), message.get("content")
+    if role not in ROLES_BY_NAME:
+        raise ConfigError(f"{where}.role` is {role!r}; known: {sorted(ROLES_BY_NAME)}")
+    if not isinstance(content, str) and not (
+        isinstance(content, list) and all(map(_is_content_part, content))
+    ):
+        raise ConfigError(
+            f"{where}.content` must be text or a list of text and image_url parts, got {content!r}"
+        )
+    return {"role": role, "content": content}
+
+
+def _is_content_part(part: Any) -> bool:
+    """An OpenAI content part turnrl.messages.dict_to_message converts: text or an image URL."""
+    if not isinstance(part, dict):
+        return False
+    if part.get("type") == "text":
+        return isinstance(part.get("text"), str)
+    image = part.get("image_url")
+    return part.get("type") == "image_url" and isinstance(image, dict) and "url" in image
 
 
 def _conversation(row: dict[str, Any], record_id: str, path: Path) -> ConversationRecord:
@@ -216,13 +248,47 @@ def _chat_message(message: Any, where: str) -> dict[str, Any]:
     return message
 
 
+def _json_object(value: Any, what: str) -> dict[str, Any]:
+    """`value`, checked to be an object of JSON values (`what` opens the field's name)."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what}` must be an object, got {value!r}")
+    _check_json(value, what)
+    return dict(value)
+
+
+def _check_json(value: Any, what: str) -> None:
+    """Raises ConfigError naming the first part of `value` that is not a JSON value (parquet
+    can hold bytes, dates, ...), which a prompt's Struct fields cannot carry."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"{what}` has the key {key!r}; keys must be text")
+            _check_json(item, f"{what}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_json(item, f"{what}[{index}]")
+    elif value is not None and not isinstance(value, str | int | float | bool):
+        raise ConfigError(
+            f"{what}` is {value!r}, a {type(value).__name__}; a prompt carries JSON values only"
+        )
+
+
 def _kwargs(value: Any, what: str) -> dict[str, Any]:
-    """Per-tool kwargs as an object or as its JSON text (parquet cannot store an empty
-    struct such as `{"python": {"create_kwargs": {}}}`)."""
-    kwargs = _from_json_text(value, what) or {}
+    """Per-tool kwargs, an object of one object per tool name, or its JSON text (parquet
+    cannot store an empty struct such as `{"python": {"create_kwargs": {}}}`). `what` opens the
+    field's name, closed here."""
+    kwargs = _from_json_text(value, f"{what}`") or {}
     if not isinstance(kwargs, dict):
-        raise ConfigError(f"{what} must be an object of per-tool kwargs, got {kwargs!r}")
-    return _drop_nulls(kwargs)
+        raise ConfigError(f"{what}` must be an object of per-tool kwargs, got {kwargs!r}")
+    kwargs = _drop_nulls(kwargs)
+    _check_json(kwargs, what)
+    for tool, tool_kwargs in kwargs.items():
+        if not isinstance(tool_kwargs, dict):
+            raise ConfigError(
+                f"{what}.{tool}` must be an object (the kwargs of tool {tool!r}), got "
+                f"{tool_kwargs!r}"
+            )
+    return kwargs
 
 
 def _from_json_text(value: Any, what: str) -> Any:

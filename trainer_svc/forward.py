@@ -28,13 +28,24 @@ def token_logprobs(
     """logprobs[:, t] of input_ids[:, t] under logits[:, t - 1], and that distribution's
     entropy; column 0 has no prefix and gets 0. Works in fp32 whatever the logits' dtype."""
     logits = logits[:, :-1].float()
-    log_norm = logits.logsumexp(-1)
-    picked = logits.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - log_norm
+    picked = logits.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - logits.logsumexp(-1)
     if not with_entropy:
         return F.pad(picked, (1, 0)), None
-    probs = (logits - log_norm[..., None]).exp()
-    entropy = log_norm - (probs * logits).sum(-1)
-    return F.pad(picked, (1, 0)), F.pad(entropy, (1, 0))
+    return F.pad(picked, (1, 0)), F.pad(entropy_from_logits(logits), (1, 0))
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy in nats of softmax(logits) over the last dim: (..., V) -> (...).
+
+    H = log sum e^z' - sum e^z' * z' / sum e^z' with z' = z - max z. Shifting first keeps the
+    subtraction exact for large logits (in float32, plain logsumexp(z) - sum p z is off by
+    whole nats at z ~ 1e4); the einsum contracts without materialising the (..., V) product. Logits must be
+    finite: a -inf logit gives NaN.
+    """
+    shifted = logits - logits.amax(dim=-1, keepdim=True).detach()
+    unnormalized = torch.exp(shifted)
+    total = unnormalized.sum(dim=-1)
+    return torch.log(total) - torch.einsum("...v,...v->...", unnormalized, shifted) / total
 
 
 def whole_row_logprobs(

@@ -1,7 +1,8 @@
 """The trainer's model back end: transformers models under FSDP2, their forward passes and train
-steps. `FsdpModel` holds what every trained model needs (sharding, AdamW, LR schedule,
-micro-batches, the step, checkpoint state); `FsdpPolicy` is the causal LM and its logprobs;
-`trainer_svc.critic.FsdpCritic` is the value model.
+steps, on `Batch`es cut into micro-batches (trainer_svc/batch.py). `FsdpModel` holds what every
+trained model needs (sharding, AdamW, LR schedule, micro-batches, the step, checkpoint state);
+`FsdpPolicy` is the causal LM and its logprobs; `trainer_svc.critic.FsdpCritic` is the value
+model.
 
 Launched as several ranks (by torchrun, or by a launcher that starts each rank itself with the
 env:// variables), every rank holds a shard of the model, from `fully_shard` on each decoder
@@ -33,7 +34,7 @@ import math
 import os
 import shutil
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -52,9 +53,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from trainer_svc.batch import Batch, micro_batch_rows, shared_prefix_micro_batch_rows
 from trainer_svc.config import TrainSettings
 from trainer_svc.forward import (
-    PrefixLevel,
     can_share_prefixes,
     prefix_levels,
     shared_prefix_logprobs,
@@ -78,80 +79,12 @@ TOKENIZER_FILES = (
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-@dataclass
-class Batch:
-    """Right-padded rows of tokens and their per-token tensors, all (rows, length)."""
-
-    input_ids: Tensor  # long
-    attention_mask: Tensor  # long; 1 on real tokens, which come first in each row
-    loss_mask: Tensor  # bool; True where the loss applies (sampled tokens)
-    # Per-token floats split with the rows: old_logprobs, advantages, ref_logprobs, ...
-    extras: dict[str, Tensor] = field(default_factory=dict)
-    # (rows,) long: rows of one value share their prompt (a GRPO group); None: not known.
-    # The policy's forward computes a group's shared prefix once (`trainer_svc.forward`).
-    groups: Tensor | None = None
-    # Set by `train_step` on each micro-batch: loss tokens and rows over all ranks' batches.
-    global_token_count: int = 0
-    global_sequence_count: int = 0
-
-    @classmethod
-    def from_sequences(
-        cls,
-        token_ids: list[list[int]],
-        loss_masks: list[list[bool]],
-        extras: dict[str, list[list[float]]] | None = None,
-        pad_token_id: int = 0,
-        groups: list[int] | None = None,
-    ) -> "Batch":
-        """Pads rows on the right; every loss mask and extra row has its token row's length.
-        `groups`: each row's group (rows of one prompt), when known."""
-        extras = extras or {}
-        for name, rows in {"loss_masks": loss_masks, **extras}.items():
-            lengths = [len(row) for row in rows]
-            expected = [len(row) for row in token_ids]
-            if lengths != expected:
-                raise ValueError(
-                    f"{name} row lengths {lengths!r} differ from token_ids' {expected!r}"
-                )
-        if not token_ids or min(map(len, token_ids)) == 0:
-            raise ValueError("a batch needs at least one row and no empty row")
-        lengths = torch.tensor([len(row) for row in token_ids])
-        width = int(lengths.max())
-
-        def padded(rows: list[list[Any]], value: Any, dtype: torch.dtype) -> Tensor:
-            # Row by row into a filled tensor: one nested list of the whole batch is slower.
-            tensor = torch.full((len(rows), width), value, dtype=dtype)
-            for index, row in enumerate(rows):
-                tensor[index, : len(row)] = torch.tensor(row, dtype=dtype)
-            return tensor
-
-        return cls(
-            input_ids=padded(token_ids, pad_token_id, torch.long),
-            attention_mask=(torch.arange(width)[None, :] < lengths[:, None]).long(),
-            loss_mask=padded(loss_masks, False, torch.bool),
-            extras={name: padded(rows, 0.0, torch.float32) for name, rows in extras.items()},
-            groups=None if groups is None else torch.tensor(groups, dtype=torch.long),
-        )
-
-    def select(self, rows: list[int], device: torch.device) -> "Batch":
-        """These rows, in this order, trimmed to the longest of them, on `device`."""
-        index = torch.tensor(rows, device=self.input_ids.device)
-        length = int(self.attention_mask[index].sum(1).max())
-
-        def take(tensor: Tensor) -> Tensor:
-            return tensor[index, :length].to(device)
-
-        return replace(
-            self,
-            input_ids=take(self.input_ids),
-            attention_mask=take(self.attention_mask),
-            loss_mask=take(self.loss_mask),
-            extras={name: take(tensor) for name, tensor in self.extras.items()},
-            groups=None if self.groups is None else self.groups[index].to(device),
-        )
-
-
 LossFn = Callable[[Batch, Tensor, Tensor | None], tuple[Tensor, dict[str, float]]]
+
+
+def distributed_backend() -> str:
+    """The collectives' backend: nccl on GPU, gloo on CPU."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def init_distributed() -> tuple[int, int]:
@@ -164,8 +97,7 @@ def init_distributed() -> tuple[int, int]:
     group's.
     """
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, init_method="env://")
+        dist.init_process_group(distributed_backend(), init_method="env://")
     if not dist.is_initialized():
         return 0, 1
     return dist.get_rank(), dist.get_world_size()
@@ -197,78 +129,6 @@ def lr_factor(step: int, settings: TrainSettings) -> float:
     progress = min(1.0, (step - settings.warmup_steps) / decay_steps)
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
     return settings.min_lr_ratio + (1.0 - settings.min_lr_ratio) * cosine
-
-
-def micro_batch_rows(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Row indices of each micro-batch: longest rows first, each micro-batch filled while its
-    rows x its longest row fit in `max_tokens`; a row longer than that goes alone."""
-    groups: list[list[int]] = []
-    for row in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
-            groups[-1].append(row)
-        else:
-            groups.append([row])
-    return groups
-
-
-@dataclass
-class _SharedPrefixMicroBatch:
-    """A micro-batch being filled by `shared_prefix_micro_batch_rows`."""
-
-    trunks: set[int]
-    units: int
-    rows: list[int]
-    longest: tuple[int, int, int]  # the most tokens one trunk, unit and row computes
-
-    def cost(self) -> int:
-        """Tokens of its three forwards, padding included."""
-        trunk, unit, row = self.longest
-        return len(self.trunks) * trunk + self.units * unit + len(self.rows) * row
-
-
-def shared_prefix_micro_batch_rows(levels: list[PrefixLevel], max_tokens: int) -> list[list[int]]:
-    """Row indices of each micro-batch of `shared_prefix_logprobs`, given the whole batch's
-    `prefix_levels`: whole units (a group's rows), longest first, each micro-batch filled while
-    its three forwards fit in `max_tokens` (each forward: its nodes x the most tokens one of
-    them computes). A unit's rows go in runs of rows of like length that fit, each run
-    computing the unit's prefix again: a unit too large alone, or whose rows differ in length by
-    more than its prefix, is split."""
-    _, units, rows = levels
-    own = [(level.end - level.start).clamp(min=1).tolist() for level in levels]
-    trunk_of_unit = units.parent.tolist()
-    unit_rows: dict[int, list[int]] = {}
-    for row, unit in enumerate(rows.parent.tolist()):
-        unit_rows.setdefault(unit, []).append(row)
-    runs: list[_SharedPrefixMicroBatch] = []
-    for unit, members in unit_rows.items():
-        trunk = trunk_of_unit[unit]
-        run = _SharedPrefixMicroBatch({trunk}, 1, [], (own[0][trunk], own[1][unit], 0))
-        for row in sorted(members, key=own[2].__getitem__, reverse=True):
-            longest = (*run.longest[:2], max(run.longest[2], own[2][row]))
-            grown = replace(run, rows=[*run.rows, row], longest=longest)
-            # A row much shorter than the run's longest starts a run of its own where padding
-            # it would cost more than computing the unit's prefix again.
-            padding = run.longest[2] - own[2][row]
-            if run.rows and (grown.cost() > max_tokens or padding > run.longest[1]):
-                runs.append(run)
-                grown = replace(run, rows=[row], longest=(*run.longest[:2], own[2][row]))
-            run = grown
-        runs.append(run)
-    micro_batches: list[_SharedPrefixMicroBatch] = []
-    for run in sorted(runs, key=lambda run: -sum(run.longest)):
-        if micro_batches:
-            last = micro_batches[-1]
-            merged = _SharedPrefixMicroBatch(
-                last.trunks | run.trunks,
-                last.units + run.units,
-                last.rows + run.rows,
-                tuple(map(max, last.longest, run.longest)),
-            )
-            if merged.cost() <= max_tokens:
-                micro_batches[-1] = merged
-                continue
-        micro_batches.append(run)
-    return [micro_batch.rows for micro_batch in micro_batches]
 
 
 class FsdpModel:

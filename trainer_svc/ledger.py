@@ -2,13 +2,14 @@
 of every prompt group a step settled, so that "was each prompt of the epoch trained exactly
 once?" is a question a file answers.
 
-A line is {"step": N, "trained": [...], "filtered": [...], "unused": [...]} (a step may have
-several: the async loop writes a filtered group when it is filtered), each list holding
-prompt keys "<position>:<prompt id>" (the position of the draw in `EpochSampler`, so a prompt
-drawn again in a later epoch has another key); empty lists are left out:
+A line is {"step": N, "trained": [...], "filtered": [...], "unused": [...]}, one per step,
+written when the step has its batch (so before its checkpoint, and never after it), each list
+holding prompt keys "<position>:<prompt id>" (the position of the draw in `EpochSampler`, so a
+prompt drawn again in a later epoch has another key); empty lists are left out:
 - trained: groups the step's update used;
 - filtered: groups dynamic sampling dropped, their rewards all equal (DAPO), and, in the sync
   loop, groups none of whose trajectories was usable (the async loop rolls those out again);
+  the async loop's step lists those filtered since the step before;
 - unused: groups rolled out but left over when the sync loop's batch was already full.
 A group that is rolled out again (too stale, or no trajectory survived an infrastructure
 failure) is not settled and appears once it is. On resume the lines after the checkpoint's step

@@ -12,29 +12,51 @@ receives on the other ranks; `close` ends their loop. With one rank a call is ju
 A function decides what each rank computes: the train steps split every batch's rows across
 the ranks (`share_of`); forward passes for logprobs and values take the whole batch on every
 rank, split its rows the same way and gather the results (`FsdpModel._per_token`).
+
+A call that fails on one rank (out of memory on its share, say) fails on every rank with that
+error, at once: the others may be waiting for it in a collective, which gloo would leave them
+in until the process group's timeout. So each rank reports the end of each call in the store
+the ranks met at (the first failure, or that all are done), and each waits for that verdict
+rather than for its own computation. The rank that failed shuts its process groups'
+connections, which ends the others' collectives with an error at once (gloo has no call that
+does so while the models still hold the group). Then every rank drops the run's models and
+forms the process groups again; the run fails with the error, and the next run builds its
+models on the new groups.
 """
 
 import asyncio
+import contextlib
 import datetime
-import functools
 import logging
+import os
+import queue
+import socket
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch.distributed as dist
 
+from trainer_svc.batch import Batch
 from trainer_svc.checkpoint import load_latest_checkpoint
 from trainer_svc.critic import FsdpCritic
-from trainer_svc.fsdp import Batch, FsdpPolicy, init_distributed
+from trainer_svc.fsdp import FsdpPolicy, distributed_backend
 from turnrl.errors import ConfigError
 from turnrl.weights import BucketedWeights
 
 logger = logging.getLogger(__name__)
 # The other ranks wait for rank 0's next call for as long as the service waits for a run.
 FOLLOW_TIMEOUT = datetime.timedelta(days=365)
+# The verdict of a call in the store when no rank failed.
+ALL_DONE = "all done"
+# How long a rank waits for its own computation to end once another rank failed: a gloo
+# collective ends at once (the failed rank shut its connections); a computation still running
+# after this (a collective on nccl) is left behind on its thread.
+LEAVE_BEHIND_SECONDS = 10.0
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -50,32 +72,49 @@ class Models:
     push_weights: BucketedWeights | None = None
 
 
+class RankFailedError(RuntimeError):
+    """A call failed on another trainer rank; the message names the rank and its error."""
+
+
 class Ranks:
     """This trainer process's place among the service's ranks, and the current run's models.
     Rank 0 builds and runs; the others `follow`."""
 
     def __init__(self) -> None:
-        self.rank, self.world_size = init_distributed()
+        self.rank, self.world_size = 0, 1
+        self._store: dist.Store | None = None  # where the ranks met, and report their calls
+        self._groups_formed = 0  # times the process groups were formed, 1 + failed calls
+        self._calls_made = 0  # in the current groups
         self._calls = None
-        if self.world_size > 1:
-            self._calls = dist.new_group(backend="gloo", timeout=FOLLOW_TIMEOUT)
+        self._verdicts: dist.Store | None = None
+        self._group_sockets: set[int] = set()  # file descriptors of the groups' connections
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            self._store, self.rank, self.world_size = next(dist.rendezvous("env://"))
+            # Its own client: a store client serves one call at a time, and this one waits
+            # for each verdict while the compute thread reports on the other.
+            self._verdicts = self._store.clone()
+            self._form_groups()
         self.models: Models | None = None
         # Every model computation runs on this one thread: torch keeps per-thread state (the
         # OpenMP thread team, kernel caches), and a step on a thread new to it took 1.6 times
         # as long (benchmarks/vs_trl.py).
-        self._compute_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self._compute_thread = ComputeThread()
 
     async def build(self, factory: Callable[P, Models], *args: P.args) -> Models:
         """Makes the run's models with `factory(*args)` on every rank; returns rank 0's."""
-        return await self._on_compute_thread(self._everywhere, "build", factory, args)
+        return await self._everywhere("build", factory, args)
 
     async def run(self, function: Callable[Concatenate[Models, P], T], *args: P.args) -> T:
-        """`function(models, *args)` on every rank; rank 0's result."""
-        return await self._on_compute_thread(self._everywhere, "run", function, args)
+        """`function(models, *args)` on every rank; rank 0's result. Raises the error of a rank
+        where it failed (RankFailedError for another rank's)."""
+        return await self._everywhere("run", function, args)
 
-    async def _on_compute_thread(self, function: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._compute_thread, functools.partial(function, *args))
+    async def _everywhere(self, kind: str, function: Callable, args: tuple) -> Any:
+        if self._calls is None:
+            return await asyncio.wrap_future(
+                self._compute_thread.submit(self._compute, kind, function, args)
+            )
+        return await asyncio.to_thread(self._send_and_apply, (kind, function, args))
 
     async def close(self) -> None:
         """Ends the other ranks' `follow` (rank 0, when the service stops)."""
@@ -85,24 +124,88 @@ class Ranks:
 
     def follow(self) -> None:
         """The loop of every rank but 0: runs each call rank 0 sends, until `close`. A call that
-        fails here fails on rank 0 too (the same computation on the same inputs), where it
-        fails the run; this rank logs it and waits for the next run's calls."""
+        fails fails on rank 0 too, where it fails the run; this rank logs it and waits for the
+        next run's calls."""
         while (call := self._receive()) is not None:
             try:
                 self._apply(*call)
             except Exception:
                 logger.exception("rank %d: %s failed", self.rank, call[1].__qualname__)
 
-    def _everywhere(self, kind: str, function: Callable, args: tuple) -> Any:
-        if self._calls is not None:
-            self._send((kind, function, args))
-        return self._apply(kind, function, args)
+    def _send_and_apply(self, call: tuple) -> Any:
+        self._send(call)
+        return self._apply(*call)
 
     def _apply(self, kind: str, function: Callable, args: tuple) -> Any:
+        """Runs the call on the compute thread and waits for every rank's verdict on it."""
+        self._calls_made += 1
+        key = f"turnrl/ranks/{self._groups_formed}/call{self._calls_made}"
+        computing = self._compute_thread.submit(self._compute_and_report, key, kind, function, args)
+        self._verdicts.wait([f"{key}/verdict"], FOLLOW_TIMEOUT)
+        verdict = self._verdicts.get(f"{key}/verdict").decode()
+        if verdict == ALL_DONE:
+            return computing.result()
+        futures.wait([computing], timeout=LEAVE_BEHIND_SECONDS)
+        if not computing.done():  # waiting in a collective for the rank that failed
+            logger.error("rank %d: %s left running: %s", self.rank, function.__qualname__, verdict)
+            self._compute_thread.close()
+            self._compute_thread = ComputeThread()
+        self._form_groups_again()
+        if verdict.startswith(f"rank {self.rank} "):
+            raise computing.exception()
+        raise RankFailedError(f"trainer {verdict}")
+
+    def _compute_and_report(self, key: str, kind: str, function: Callable, args: tuple) -> Any:
+        """The call on this rank; then its verdict, when it is this rank's to give: the first
+        failure, or ALL_DONE from the last rank to finish."""
+        try:
+            result = self._compute(kind, function, args)
+        except Exception as error:
+            failure = f"rank {self.rank} failed: {type(error).__name__}: {error}"
+            if self._store.compare_set(f"{key}/verdict", "", failure).decode() == failure:
+                self._shut_group_connections()
+            raise
+        if self._store.add(f"{key}/done", 1) == self.world_size:
+            self._store.compare_set(f"{key}/verdict", "", ALL_DONE)
+        return result
+
+    def _compute(self, kind: str, function: Callable, args: tuple) -> Any:
         if kind == "build":
             self.models = function(*args)
             return self.models
         return function(self.models, *args)
+
+    def _form_groups(self) -> None:
+        """Forms the process groups of this generation on the store the ranks met at: the
+        default one, which the models compute on, and the gloo group of rank 0's calls."""
+        store = dist.PrefixStore(f"turnrl/ranks/{self._groups_formed}/groups", self._store)
+        sockets_before = _open_sockets()
+        dist.init_process_group(
+            distributed_backend(), store=store, rank=self.rank, world_size=self.world_size
+        )
+        self._calls = dist.new_group(backend="gloo", timeout=FOLLOW_TIMEOUT)
+        self._group_sockets = _open_sockets() - sockets_before
+        self._groups_formed += 1
+        self._calls_made = 0
+
+    def _form_groups_again(self) -> None:
+        """After a failed call: the run's models and the groups they computed on, which a rank
+        may have left mid-collective, are dropped, and new groups formed."""
+        self.models = None
+        dist.destroy_process_group()
+        self._form_groups()
+
+    def _shut_group_connections(self) -> None:
+        """Shuts (without closing: gloo still owns them) the groups' connections to the other
+        ranks, so that a collective waiting for this rank fails there at once; their listening
+        sockets are left alone."""
+        for fd in self._group_sockets:
+            with socket.socket(fileno=os.dup(fd)) as connection:
+                try:
+                    connection.getpeername()
+                except OSError:  # a listening socket, or closed already
+                    continue
+                connection.shutdown(socket.SHUT_RDWR)
 
     def _send(self, call: tuple | None) -> None:
         dist.broadcast_object_list([call], src=0, group=self._calls)
@@ -111,6 +214,43 @@ class Ranks:
         call = [None]
         dist.broadcast_object_list(call, src=0, group=self._calls)
         return call[0]
+
+
+class ComputeThread:
+    """One daemon thread that runs the functions given to it in turn. A daemon: one left
+    waiting in a collective for a rank that failed does not hold the process at its exit."""
+
+    def __init__(self) -> None:
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="compute", daemon=True).start()
+
+    def submit(self, function: Callable[..., T], *args: Any) -> Future:
+        future: Future = Future()
+        self._work.put((future, function, args))
+        return future
+
+    def close(self) -> None:
+        """Ends the thread once its current function returns."""
+        self._work.put(None)
+
+    def _serve(self) -> None:
+        while (work := self._work.get()) is not None:
+            future, function, args = work
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(function(*args))
+                except BaseException as error:  # the caller's to handle, with the result
+                    future.set_exception(error)
+
+
+def _open_sockets() -> set[int]:
+    """The file descriptors of this process's open sockets (Linux)."""
+    sockets = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed since it was listed
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                sockets.add(int(fd))
+    return sockets
 
 
 def share_of(models: Models, batch: Batch, rows: list[int]) -> Batch:

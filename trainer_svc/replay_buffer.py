@@ -10,13 +10,13 @@ rolled out again.
 """
 
 import enum
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from trainer_svc.data import PromptRecord
 from trainer_svc.ledger import prompt_key
 from trainer_svc.rl_step import keep_groups_with_signal, trainable
-from turnrl.trajectory import Trajectory
+from turnrl.trajectory import FinishReason, Trajectory
 
 
 @dataclass
@@ -34,6 +34,12 @@ class Group:
     def oldest_version(self) -> int:
         """The oldest policy version among the group's model tokens."""
         return min(version for t in self.trajectories for version in t.policy_versions)
+
+    def why_unusable(self) -> str:
+        """What kept the group's trajectories out of the loss, each cause with its count, e.g.
+        "4 x scoring failed: reward service: ..." (the checks of rl_step.trainable)."""
+        causes = Counter(map(_why_untrainable, self.trajectories))
+        return "; ".join(f"{n} x {cause}" for cause, n in causes.most_common()) or "no trajectory"
 
 
 class Admission(enum.Enum):
@@ -82,3 +88,14 @@ class ReplayBuffer:
         """The `count` oldest groups (the caller checks there are that many)."""
         assert len(self._groups) >= count, "take only a full batch"
         return [self._groups.popleft() for _ in range(count)]
+
+
+def _why_untrainable(trajectory: Trajectory) -> str:
+    """Why `trajectory`, which `trainable` refuses, is left out of the loss."""
+    if trajectory.finish_reason in (FinishReason.ABORTED, FinishReason.ERROR):
+        return f"{trajectory.finish_reason.name.lower()}: {trajectory.error_message}"
+    if trajectory.reward is not None and trajectory.reward.error:
+        return f"scoring failed: {trajectory.reward.error_message}"
+    if trajectory.metrics.get("tool_infra_errors", 0) > 0:
+        return "a tool call the tool service could not run"
+    return "no model tokens"  # the check left

@@ -19,9 +19,10 @@ from trainer_svc.advantages import (
     groups_with_signal,
     sequence_rewards_to_tokens,
 )
+from trainer_svc.batch import Batch
 from trainer_svc.config import AlgorithmConfig, CriticConfig, TrainerConfig
 from trainer_svc.critic import FsdpCritic
-from trainer_svc.fsdp import Batch, FsdpPolicy
+from trainer_svc.fsdp import FsdpPolicy
 from trainer_svc.losses import (
     aggregate,
     behaviour_importance_weights,

@@ -17,10 +17,12 @@ rollout replicas of `trainer.rollout_service` (its `address` lists them, comma-s
                 answers it is a member of the next weight-sync group and takes groups again.
                 With no replica live, a request waits for a lost one to answer (its launcher
                 restarts it at its address), has it brought the current weights (`catch_up`)
-                and goes on; after REPLICA_RETURN_SECONDS it fails.
+                and goes on; after REPLICA_RETURN_SECONDS, or at the request's own deadline
+                if that comes first, it fails.
 
 Load is counted by the router itself (trajectories dispatched and not yet back), not polled
-from GetStats: it is exact for the trainer's own calls and costs no call.
+from GetStats: it is exact for the trainer's own calls and costs no call. A call gives back
+its whole load as it ends, whatever came back, so a replica lost mid-group holds none.
 """
 
 import asyncio
@@ -29,6 +31,8 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from tenacity import AsyncRetrying, retry_if_result, wait_fixed
 
 from turnrl import errors, rpc
 from turnrl.config import ClientConfig
@@ -44,6 +48,8 @@ REPLICA_LOST_STATUSES = ("UNAVAILABLE", "CANCELLED")
 REPLICA_RETURN_SECONDS = 180.0
 # Deadline of the GetStats that asks whether a replica is there.
 REJOIN_PROBE_TIMEOUT_SECONDS = 5.0
+# Pause between two rounds of asking the lost replicas whether they are back.
+REJOIN_PROBE_INTERVAL_SECONDS = 1.0
 
 
 @dataclass(eq=False)
@@ -98,20 +104,22 @@ class RolloutRouter:
         self, request: rollout_pb2.GenerateRequest, *, timeout_seconds: float
     ) -> list[Trajectory]:
         """The trajectories of every prompt of `request` (samples `request.n` each), in the
-        order they came back. Raises UnavailableError when no replica is live and none comes
-        back within `return_seconds`; the error of a call that failed for any other reason
-        than a lost replica."""
+        order they came back, within `timeout_seconds` in all (groups dispatched again after a
+        lost replica included). Raises UnavailableError when no replica is live and none comes
+        back within `return_seconds`, DeadlineExceededError when the deadline passes first;
+        the error of a call that failed for any other reason than a lost replica."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_seconds
         pending = list(request.prompts)
         trajectories: list[Trajectory] = []
         attempt = 0
         while True:
             if not self.live():
-                await self._wait_for_return()
+                await self._wait_for_return(request.request_id, timeout_seconds, deadline)
             plan = self._assign(pending, request.n)
+            remaining = deadline - loop.time()
             calls = [
-                asyncio.ensure_future(
-                    self._call(replica, request, prompts, attempt, timeout_seconds)
-                )
+                asyncio.ensure_future(self._call(replica, request, prompts, attempt, remaining))
                 for replica, prompts in plan.items()
             ]
             try:
@@ -165,11 +173,15 @@ class RolloutRouter:
         if attempt:  # request ids are unique per replica; a retry may land where one runs
             call_request.request_id = f"{request.request_id}/again{attempt}"
         result = _CallResult()
+        # Its load is taken in `_assign`; given back one by one as trajectories come back, and
+        # the rest as the call ends, so that each trajectory is given back once.
+        load = len(prompts) * request.n
         try:
             replies = replica.stub.Generate(call_request, timeout=timeout_seconds)
             async for reply in replies:
                 result.trajectories.append(Trajectory.from_proto(reply.trajectory))
                 replica.in_flight -= 1
+                load -= 1
         except errors.RpcError as e:
             # A replica that still answers sent the error itself (its tool service is down,
             # say): the request's failure, not a lost replica.
@@ -180,8 +192,9 @@ class RolloutRouter:
             result.trajectories = [t for t in result.trajectories if t.group_id in whole]
             result.unfinished = [p for p in prompts if p.prompt_id not in whole]
         finally:
-            replica.in_flight -= len(prompts) * request.n - len(result.trajectories)
+            replica.in_flight -= load
             replica.trajectories += len(result.trajectories)
+            assert replica.in_flight >= 0, f"{replica.address} in_flight {replica.in_flight}"
         return result
 
     def _lose(self, replica: RolloutReplica, error: errors.RpcError) -> None:
@@ -200,30 +213,52 @@ class RolloutRouter:
                 return True
         return False
 
-    async def _wait_for_return(self) -> None:
+    async def _wait_for_return(
+        self, request_id: str, timeout_seconds: float, deadline: float
+    ) -> None:
         """Waits for a lost replica to answer, brings it the current weights and marks it
-        live; raises UnavailableError, naming the replicas, after `return_seconds`."""
-        async with self._returning:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + self._return_seconds
-            while not self.live():
-                for replica in self.replicas:
-                    if await self._answers(replica):
-                        log.info(
-                            "rollout replica %s is back; bringing it the policy", replica.address
-                        )
-                        await self._catch_up(replica)
-                        replica.live = True
-                        return
-                if loop.time() > deadline:
-                    raise errors.UnavailableError(
-                        f"no rollout replica is live, and none came back in "
-                        f"{self._return_seconds:.0f}s: "
-                        + ", ".join(
-                            f"{r.address} ({r.lost_calls} lost calls)" for r in self.replicas
-                        )
-                    )
-                await asyncio.sleep(1.0)
+        live; raises UnavailableError, naming the replicas, after `return_seconds`, or
+        DeadlineExceededError at `deadline` (the request's, of `timeout_seconds` in all) if
+        that comes first."""
+        loop = asyncio.get_running_loop()
+        return_at = loop.time() + self._return_seconds
+        try:
+            async with asyncio.timeout_at(min(return_at, deadline)), self._returning:
+                await self._bring_one_back()
+        except TimeoutError:
+            replicas = ", ".join(f"{r.address} ({r.lost_calls} lost calls)" for r in self.replicas)
+            if deadline < return_at:
+                raise errors.DeadlineExceededError(
+                    f"request {request_id!r} reached its deadline of {timeout_seconds:.0f}s "
+                    f"waiting for a rollout replica to come back: {replicas}"
+                ) from None
+            raise errors.UnavailableError(
+                f"no rollout replica is live, and none came back in "
+                f"{self._return_seconds:.0f}s: {replicas}"
+            ) from None
+
+    async def _bring_one_back(self) -> None:
+        """Asks the replicas every REJOIN_PROBE_INTERVAL_SECONDS until one answers (or another
+        request has brought one back), then brings it the policy and marks it live."""
+        retrying = AsyncRetrying(
+            retry=retry_if_result(lambda back: back is None),
+            wait=wait_fixed(REJOIN_PROBE_INTERVAL_SECONDS),
+        )
+        replica = await retrying(self._first_back)
+        if replica.live:  # another request brought it back
+            return
+        log.info("rollout replica %s is back; bringing it the policy", replica.address)
+        await self._catch_up(replica)
+        replica.live = True
+
+    async def _first_back(self) -> RolloutReplica | None:
+        """A live replica, else the first lost one that answers; None when none is back."""
+        if live := self.live():
+            return live[0]
+        for replica in self.replicas:
+            if await self._answers(replica):
+                return replica
+        return None
 
     async def _answers(self, replica: RolloutReplica) -> bool:
         """Whether `replica` answers GetStats within REJOIN_PROBE_TIMEOUT_SECONDS."""

@@ -139,9 +139,12 @@ class RunLoop(abc.ABC):
         if (every and self.step % every == 0) or self.checkpoint_requests:
             await self._checkpoint()
 
-    async def _save_checkpoint(self, state: dict[str, Any]) -> None:
-        """Writes `state` as this step's checkpoint and answers the SaveCheckpoint calls waiting."""
-        folder = await asyncio.to_thread(save_checkpoint, self.run_dir, self.step, state)
+    async def _save_checkpoint(self, tensors: dict[str, Any], loop_state: dict[str, Any]) -> None:
+        """Writes `tensors` (the models' state) and `loop_state` (JSON values) as this step's
+        checkpoint and answers the SaveCheckpoint calls waiting."""
+        folder = await asyncio.to_thread(
+            save_checkpoint, self.run_dir, self.step, tensors, loop_state
+        )
         self._checkpointed_step = self.step
         for request in self.checkpoint_requests:
             request.done.set_result((folder, self.step))

@@ -64,7 +64,7 @@ async def serve(config: TrainerConfig) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         await asyncio.to_thread(ranks.follow)
         return
-    service = TrainerService(ranks, config.model_path)
+    service = TrainerService(ranks, config.model_path, config.runs_root or config.output_dir)
     try:
         await rpc.serve(
             config.server,

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from trainer_svc.async_controller import AsyncController
-from trainer_svc.config import TrainerConfig
+from trainer_svc.config import RUNS_FOLDER, TrainerConfig
 from trainer_svc.controller import Controller
 from trainer_svc.ranks import Ranks
 from trainer_svc.run_loop import CheckpointRequest, ProgressEvent, RunLoop
@@ -99,11 +99,17 @@ class TrainerService:
     `model_path` is the model this service was started with (`turnrl serve trainer` sets it to
     the config's tiny model when the file leaves it null): a run whose `trainer.model_path` is
     null trains it, so that a client that cannot see this service's files (a trainer in a
-    container) still trains the model the rollout service beside it serves."""
+    container) still trains the model the rollout service beside it serves.
 
-    def __init__(self, ranks: Ranks, model_path: str | None = None) -> None:
+    `runs_root` confines the runs: the service writes and resumes (loads checkpoints from)
+    nothing outside it, whatever folder a client's StartRun names."""
+
+    def __init__(
+        self, ranks: Ranks, model_path: str | None = None, runs_root: Path = RUNS_FOLDER
+    ) -> None:
         self._ranks = ranks
         self._model_path = model_path
+        self._runs_root = runs_root.resolve()
         self._runs: dict[str, RunRecord] = {}
 
     async def start_run(self, config_yaml: str, run_name: str, resume: bool) -> RunRecord:
@@ -132,6 +138,12 @@ class TrainerService:
             )
         try:
             output_dir = (config.output_dir / name).resolve()
+            if not output_dir.is_relative_to(self._runs_root):
+                raise InvalidArgumentError(
+                    f"run {name!r} would be written to {str(output_dir)!r}, outside this trainer "
+                    f"service's runs root {str(self._runs_root)!r}; set trainer.output_dir to "
+                    "a folder inside it (the service's trainer.runs_root sets the root)"
+                )
             if output_dir.exists() and any(output_dir.iterdir()) and not resume:
                 raise AlreadyExistsError(
                     f"run {name!r} exists in {output_dir}; resume it (--resume) or pick another "

@@ -27,9 +27,10 @@ import jinja2
 import torch
 from torch import Tensor
 
+from trainer_svc.batch import Batch
 from trainer_svc.config import SftConfig, TrainSettings
 from trainer_svc.data import ConversationRecord, EpochSampler, load_conversations
-from trainer_svc.fsdp import Batch, FsdpPolicy
+from trainer_svc.fsdp import FsdpPolicy
 from trainer_svc.ranks import Models, checkpoint_state, share_of
 from trainer_svc.report import LOSS_PLOT
 from trainer_svc.run_loop import FINAL_MODEL, ProgressEvent, RunLoop
@@ -204,7 +205,7 @@ class SftController(RunLoop):
 
     async def _checkpoint(self) -> None:
         state = await self.ranks.run(checkpoint_state)
-        await self._save_checkpoint({**state, "data_position": self.sampler.position})
+        await self._save_checkpoint(state, {"data_position": self.sampler.position})
 
     def _summary(self, wall_seconds: float) -> dict[str, Any]:
         report = self.report

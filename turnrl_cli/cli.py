@@ -110,7 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     score = commands.add_parser("score", help="score responses with the reward service")
     score.add_argument("--data-source", required=True, help="scorer key, e.g. openai/gsm8k")
-    score.add_argument("--ground-truth", help="reference answer (JSON, or plain text)")
+    score.add_argument(
+        "--ground-truth",
+        type=client_commands.ground_truth_arg,
+        help="reference answer as a JSON value: a number, a string, a list of gold answers, an "
+        "object; text that is not JSON (Paris, '#### 18') is taken as a string, but text that "
+        "opens with a quote, [ or { must parse",
+    )
     response = score.add_mutually_exclusive_group(required=True)
     response.add_argument("--response", help="the response text to score")
     response.add_argument(

@@ -114,6 +114,22 @@ async def score(args: argparse.Namespace) -> int:
         return 1 if failed else 0
 
 
+def ground_truth_arg(text: str) -> Any:
+    """The value of `turnrl score --ground-truth`: the JSON value `text` spells (`42`,
+    `["paris", "france"]`, `{"target": ["Paris"]}`), else `text` itself as a string (`Paris`,
+    `#### 18`), so a bare answer needs no JSON quotes. Text that opens like a JSON string, list
+    or object but does not parse is refused: it is a typo, and scoring it as an answer would
+    give a wrong reward with no error."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        if text.lstrip().startswith(('"', "[", "{")):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} opens like JSON but is not: {e.msg} at character {e.pos}"
+            ) from None
+        return text
+
+
 def _open(args: argparse.Namespace) -> grpc.aio.Channel:
     try:
         config = ClientConfig(

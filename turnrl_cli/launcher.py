@@ -1,5 +1,6 @@
 """The launcher's two commands, `turnrl up` and `turnrl run`, start to end: the config with
-its model paths (`model_paths`), the services as child processes (`processes`) or Ray actors
+its model paths (`model_paths`), the launch's token and TLS (`launch_token`, `launch_tls`),
+the services as child processes (`processes`) or Ray actors
 (`ray_services`, `launcher.kind: ray`), then `up` prints their addresses (or checks them) and
 supervises until Ctrl-C or a death, and `run` submits the run to the trainer (StartRun) and
 follows it (`progress`).
@@ -19,6 +20,12 @@ from turnrl import errors, rpc
 from turnrl.config import CLIENT_TOKEN_ENV, ClientConfig
 from turnrl.errors import ConfigError
 from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
+from turnrl_cli.launch_tls import (
+    CA_CERT,
+    launch_tls_dir,
+    launch_tls_overrides,
+    remove_launch_tls_files,
+)
 from turnrl_cli.launch_token import LAUNCH_TOKEN_ENV, launch_token_overrides
 from turnrl_cli.model_paths import load_with_tiny_model
 from turnrl_cli.processes import (
@@ -26,6 +33,7 @@ from turnrl_cli.processes import (
     ServiceDiedError,
     StartupInterruptedError,
     local_services,
+    peer_tls_ca_file,
     peer_token_env,
     replica_addresses,
     stop_on_signals,
@@ -49,6 +57,13 @@ async def up(config_path: Path | None, overrides: Sequence[str], check: bool) ->
                 console.print(
                     "They take this launch's bearer token (launcher.auth_token); for turnrl's "
                     f"client commands: export {CLIENT_TOKEN_ENV}={token}",
+                    highlight=False,
+                    soft_wrap=True,
+                )
+            if tls_dir := launch_tls_dir():
+                console.print(
+                    "They serve TLS with this launch's certificates (launcher.tls); turnrl's "
+                    f"client commands verify them with --tls-ca {tls_dir / CA_CERT}",
                     highlight=False,
                     soft_wrap=True,
                 )
@@ -104,11 +119,16 @@ async def run(config_path: Path, overrides: Sequence[str], resume: bool) -> int:
 async def _load(
     config_path: Path | None, overrides: Sequence[str]
 ) -> tuple[ProjectConfig, list[str]]:
-    """The config with its model paths (`load_with_tiny_model`) and this launch's token, when
-    it makes one (`launch_token_overrides`), and the overrides that say so to the services."""
+    """The config with its model paths (`load_with_tiny_model`), this launch's token and TLS
+    certificates, when it makes them (`launch_token_overrides`, `launch_tls_overrides`), and
+    the overrides that say so to the services. The token is decided first: a service given
+    the launch's TLS keeps the token it needs as much."""
     project, overrides = await asyncio.to_thread(load_with_tiny_model, config_path, overrides)
     if token_overrides := launch_token_overrides(project):
         overrides = [*overrides, *token_overrides]
+        project = load_project_config(config_path, overrides)
+    if tls_overrides := await asyncio.to_thread(launch_tls_overrides, project):
+        overrides = [*overrides, *tls_overrides]
         project = load_project_config(config_path, overrides)
     return project, overrides
 
@@ -197,17 +217,23 @@ async def start_services(
     overrides: Sequence[str],
     stop_requested: asyncio.Event,
 ) -> AsyncIterator[list[LaunchedService]]:
-    """The services of `launcher.kind`: local processes, or Ray actors."""
-    if project.launcher.kind == "local":
-        async with local_services(project, config_path, overrides, stop_requested) as services:
-            yield services
-        return
+    """The services of `launcher.kind`: local processes, or Ray actors. This launch's TLS
+    files (`launch_tls`) are removed once they stopped."""
     try:
-        from turnrl_cli.ray_services import ray_services  # only with the ray extra installed
-    except ImportError as e:
-        raise ConfigError(f"launcher.kind ray needs Ray: pip install 'turnrl[ray]' ({e})") from None
-    async with ray_services(project, config_path, overrides, stop_requested) as services:
-        yield services
+        if project.launcher.kind == "local":
+            async with local_services(project, config_path, overrides, stop_requested) as started:
+                yield started
+            return
+        try:
+            from turnrl_cli.ray_services import ray_services  # only with the ray extra installed
+        except ImportError as e:
+            raise ConfigError(
+                f"launcher.kind ray needs Ray: pip install 'turnrl[ray]' ({e})"
+            ) from None
+        async with ray_services(project, config_path, overrides, stop_requested) as started:
+            yield started
+    finally:
+        remove_launch_tls_files()
 
 
 def _run_config_yaml(project: ProjectConfig, services: list[LaunchedService]) -> str:
@@ -218,6 +244,8 @@ def _run_config_yaml(project: ProjectConfig, services: list[LaunchedService]) ->
         data["trainer"]["rollout_service"]["address"] = rollout
         if token_env := peer_token_env(services, "rollout"):
             data["trainer"]["rollout_service"]["auth_token_env"] = token_env
+        if ca_file := peer_tls_ca_file(services, "rollout"):
+            data["trainer"]["rollout_service"]["tls_ca_file"] = str(ca_file)
     trainer = [s for s in services if s.name == "trainer" and s.replica == 0]
     if trainer and trainer[0].node_address:
         data["trainer"]["weight_sync"]["master_address"] = trainer[0].node_address

@@ -27,6 +27,7 @@ from rich.console import Console
 from turnrl import rpc
 from turnrl.config import ClientConfig, ServerConfig
 from turnrl.subprocesses import die_with_parent
+from turnrl_cli.launch_tls import trusted_ca_file
 from turnrl_cli.project_config import ProjectConfig, RestartPolicies, RestartPolicy
 
 log = logging.getLogger(__name__)
@@ -149,11 +150,11 @@ class ServiceProcess:
 
 
 def launcher_client_config(server: ServerConfig, address: str) -> ClientConfig:
-    """How the launcher reaches a service it started at `address` (TLS verified against the
-    service's own certificate)."""
+    """How the launcher reaches a service it started at `address` (TLS verified against this
+    launch's CA, or the service's own certificate: `trusted_ca_file`)."""
     return ClientConfig(
         address=address,
-        tls_ca_file=server.tls.cert_file if server.tls else None,
+        tls_ca_file=trusted_ca_file(server),
         auth_token_env=server.auth_token_env,
     )
 
@@ -224,7 +225,7 @@ async def ready_unless_stopped(ready: Awaitable[Any], stop_requested: asyncio.Ev
 def peer_addresses(name: str, started: Sequence[LaunchedService]) -> list[str]:
     """Overrides pointing service `name` at the services already `started`: the rollout
     service at every replica of the tool and reward services, sending the token each
-    requires (`peer_token_env`)."""
+    requires (`peer_token_env`) and verifying the TLS each serves (`peer_tls_ca_file`)."""
     if name != "rollout":
         return []
     overrides = []
@@ -233,7 +234,16 @@ def peer_addresses(name: str, started: Sequence[LaunchedService]) -> list[str]:
             overrides.append(f"rollout.{peer}_service.address={addresses}")
             if token_env := peer_token_env(started, peer):
                 overrides.append(f"rollout.{peer}_service.auth_token_env={token_env}")
+            if ca_file := peer_tls_ca_file(started, peer):
+                overrides.append(f"rollout.{peer}_service.tls_ca_file={ca_file}")
     return overrides
+
+
+def peer_tls_ca_file(started: Sequence[LaunchedService], name: str) -> Path | None:
+    """The CA file that callers of the started service `name` verify its TLS with
+    (`trusted_ca_file`: this launch's CA, the same path on every node); None for plaintext."""
+    servers = [service.server for service in started if service.name == name]
+    return trusted_ca_file(servers[0]) if servers else None
 
 
 def peer_token_env(started: Sequence[LaunchedService], name: str) -> str | None:
@@ -300,7 +310,9 @@ async def _forward_log(service: ServiceProcess) -> None:
 
 async def wait_ready(service: ServiceProcess) -> None:
     """Sets the child's address from its `serving` line and waits for health SERVING; raises
-    ServiceDiedError when it exits first or takes longer than its startup_timeout_seconds."""
+    ServiceDiedError when it exits first, or when it takes longer than its
+    startup_timeout_seconds, after killing it (a restart that hangs is retried, or given up
+    on, as its restart policy says)."""
     assert service.process.stdout is not None
     timeout_seconds = service.startup_timeout_seconds
     try:
@@ -315,9 +327,17 @@ async def wait_ready(service: ServiceProcess) -> None:
             service.address = _reachable(host_port)
             await rpc.wait_until_serving(service.client_config(), timeout_seconds=timeout_seconds)
     except TimeoutError:
+        reason = (
+            f"did not report SERVING within {timeout_seconds:g}s "
+            "(launcher.startup_timeout_seconds); killed"
+        )
+        # Killed, not left hanging: its supervisor waits for its end (`wait`) to start it
+        # again. The whole process group: its session holds torchrun's ranks, an engine.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(service.process.pid, signal.SIGKILL)
+        service.log_tail.append(f"turnrl: {reason}")
         raise ServiceDiedError(
-            f"{service.label} service (pid {service.process.pid}) did not report SERVING within "
-            f"{timeout_seconds:g}s (launcher.startup_timeout_seconds)"
+            f"{service.label} service (pid {service.process.pid}) {reason}"
         ) from None
 
 

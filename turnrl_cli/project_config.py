@@ -26,7 +26,12 @@ SERVICE_NAMES = ("tool", "reward", "rollout", "trainer")
 class ServiceResources(StrictModel):
     """What one replica of a service (one rank, for the trainer) asks of a Ray node."""
 
-    num_cpus: float = Field(default=1.0, ge=0, description="CPUs reserved for it.")
+    num_cpus: float = Field(
+        default=1.0,
+        ge=0,
+        description="CPUs reserved for it: what Ray places by, not a limit on what it uses "
+        "(Ray sets its OMP_NUM_THREADS to this, rounded down, at least 1).",
+    )
     num_gpus: float = Field(default=0.0, ge=0, description="GPUs reserved for it.")
     resources: dict[str, float] = Field(
         default_factory=dict,
@@ -53,16 +58,26 @@ class RayLauncherConfig(StrictModel):
         description="Ray namespace of the service actors, named SERVICE:REPLICA (`ray list "
         "actors`); one launch per namespace.",
     )
-    tool: ServiceResources = Field(default_factory=ServiceResources, description="Per replica.")
-    reward: ServiceResources = Field(default_factory=ServiceResources, description="Per replica.")
+    # The defaults fit the demo on a 2-CPU cluster, even with 2 rollout and 2 tool replicas:
+    # the tool and reward services wait on I/O and sandboxes, the rollout service and the
+    # trainer compute.
+    tool: ServiceResources = Field(
+        default_factory=lambda: ServiceResources(num_cpus=0.1),
+        description="Per replica; mostly waits.",
+    )
+    reward: ServiceResources = Field(
+        default_factory=lambda: ServiceResources(num_cpus=0.1),
+        description="Per replica; mostly waits.",
+    )
     rollout: ServiceResources = Field(
-        default_factory=ServiceResources,
+        default_factory=lambda: ServiceResources(num_cpus=0.5),
         description="Per replica; on GPU give each its engine's GPUs (num_gpus: 1 for one SGLang "
         "server of tensor-parallel size 1).",
     )
     trainer: ServiceResources = Field(
-        default_factory=ServiceResources,
-        description="Per rank (trainer.ranks of them, in one placement group).",
+        default_factory=lambda: ServiceResources(num_cpus=0.5),
+        description="Per rank (trainer.ranks of them, in one placement group); on GPU give "
+        "each its GPUs.",
     )
 
 
@@ -121,13 +136,22 @@ class LauncherConfig(StrictModel):
         "node's) with no TLS or token of its own; generate: always (a shared machine's other "
         "users reach 127.0.0.1 too); none: never.",
     )
+    tls: Literal["auto"] | bool = Field(
+        default="auto",
+        description="TLS certificates the launcher makes for this launch: a CA of its own and a "
+        "certificate for each node, served by every service it starts without server.tls of "
+        "its own and trusted by their callers (turnrl_cli.launch_tls), so the token and the "
+        "traffic between nodes are encrypted. auto: on Ray; on (true): also for the local "
+        "launcher; off (false): plaintext, unless server.tls is set (a private network only).",
+    )
     startup_timeout_seconds: float = Field(
         default=120.0,
         gt=0,
-        description="How long a started service may take to report SERVING, in seconds. Raise "
-        "it for one that loads much first: a tool service indexing a large corpus with BM25, a "
-        "rollout service launching SGLang (its own engine_options.startup_timeout_seconds) or "
-        "downloading a model.",
+        description="How long a started (or restarted) service may take to report SERVING, "
+        "and Ray to place a service's replicas, in seconds; a restart that takes longer is "
+        "killed and counts as a failed restart. Raise it for one that loads much first: a "
+        "tool service indexing a large corpus with BM25, a rollout service launching SGLang "
+        "(its own engine_options.startup_timeout_seconds) or downloading a model.",
     )
     restart: RestartPolicies = Field(
         default_factory=RestartPolicies,

@@ -35,10 +35,17 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from turnrl.config import ClientConfig, ServerConfig
 from turnrl.errors import ConfigError
+from turnrl_cli.launch_tls import (
+    LAUNCH_TLS_DIR_ENV,
+    LOOPBACK_NAMES,
+    launch_tls_dir,
+    node_files,
+    remove_launch_tls_files,
+    write_node_files,
+)
 from turnrl_cli.launch_token import LAUNCH_TOKEN_ENV
 from turnrl_cli.processes import (
     START_STAGES,
-    STARTUP_TIMEOUT_SECONDS,
     STOP_SLACK_SECONDS,
     ServiceDiedError,
     ServiceProcess,
@@ -56,6 +63,7 @@ from turnrl_cli.project_config import (
     RayLauncherConfig,
     ServiceResources,
 )
+from turnrl_cli.ray_plan import ServiceDemand, check_fits, launch_demands
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +100,19 @@ class ServiceActor:
         env: dict[str, str],
         serves: bool,
         startup_timeout_seconds: float,
+        tls_files: dict[str, bytes],
     ) -> str:
         """Starts the service; when it `serves` (all but the trainer's ranks > 0), waits for
-        its SERVING and returns its address. Raises ServiceDiedError when it fails to start."""
+        its SERVING and returns its address. `tls_files` are this node's certificates of the
+        launch (`launch_tls.node_files`), written to the launch's TLS directory first. Raises
+        ServiceDiedError when it fails to start."""
         path = None if config_path is None else Path(config_path)
-        if LAUNCH_TOKEN_ENV in env:  # this actor calls the service too, with its token
-            os.environ[LAUNCH_TOKEN_ENV] = env[LAUNCH_TOKEN_ENV]
+        # This actor calls the service too: with its token, verifying its TLS.
+        for variable in (LAUNCH_TOKEN_ENV, LAUNCH_TLS_DIR_ENV):
+            if variable in env:
+                os.environ[variable] = env[variable]
+        if tls_files:
+            await asyncio.to_thread(write_node_files, Path(env[LAUNCH_TLS_DIR_ENV]), tls_files)
         self._process = await spawn(
             name, replica, server, path, overrides, env, startup_timeout_seconds
         )
@@ -115,9 +130,11 @@ class ServiceActor:
         return self._process.process.returncode, list(self._process.log_tail)
 
     async def stop(self) -> None:
-        """SIGTERM, then SIGKILL past the service's shutdown grace."""
+        """SIGTERM, then SIGKILL past the service's shutdown grace; then this node's TLS files
+        of the launch go (the services' are ended first: none reads them any more)."""
         if self._process is not None:
             await stop_processes([self._process])
+        await asyncio.to_thread(remove_launch_tls_files)
 
 
 @dataclass
@@ -156,15 +173,13 @@ class RayService:
         """Starts the service again in its actor, on its node at its address (its callers
         reconnect there); raises ServiceDiedError when it fails to start, or when its actor
         died with its node (a service elsewhere would have another address)."""
-        name, replica, server, config_path, overrides, env, serves, timeout = self.start_args
+        name, replica, server, config_path, overrides, *rest = self.start_args
         if self.address:
             overrides = [*overrides, f"{name}.server.port={self.address.rpartition(':')[2]}"]
         self.restarts += 1
         self.ended = None
         try:
-            await self.actor.start.remote(
-                name, replica, server, config_path, overrides, env, serves, timeout
-            )
+            await self.actor.start.remote(name, replica, server, config_path, overrides, *rest)
         except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
             self.ended = (-9, [f"restart failed: {e}"])
             raise ServiceDiedError(f"{self.label} service ({self.where}): {e}") from None
@@ -193,29 +208,39 @@ async def ray_services(
     its last output, when one fails to start or cannot be placed; StartupInterruptedError
     when `stop_requested` is set first."""
     settings = project.launcher.ray
+    timeout_seconds = project.launcher.startup_timeout_seconds
     await asyncio.to_thread(connect, settings)
-    to_start = project.services_to_start()
+    demands = {demand.name: demand for demand in launch_demands(project)}
+    check_fits(list(demands.values()), await asyncio.to_thread(_node_resources))
     services: list[RayService] = []
     groups: list[PlacementGroup] = []
+    # By node address: one certificate per machine, whose nodes share the files' path.
+    tls_files: dict[str, dict[str, bytes]] = {}
     # A relative path holds: the actors work in this process's working directory.
     config = None if config_path is None else str(config_path)
     try:
         for stage in START_STAGES:
-            starts = []
-            for name in stage:
-                if name not in to_start:
-                    continue
-                count = project.trainer.ranks if name == "trainer" else project.replicas(name)
+            stage_services: list[list[RayService]] = []
+            for name in (name for name in stage if name in demands):
                 resources: ServiceResources = getattr(settings, name)
-                groups.append(group := await _placement_group(name, count, resources))
-                placed = await _place(name, count, resources, group, project, settings)
+                group = await _placement_group(demands[name], timeout_seconds)
+                groups.append(group)
+                placed = await _place(demands[name], resources, group, project, settings)
+                await _issue_node_certificates(placed, tls_files)
                 services += placed
-                service_overrides = [*overrides, *peer_addresses(name, services)]
-                starts.append(
-                    _start(
-                        placed, config, service_overrides, project.launcher.startup_timeout_seconds
-                    )
+                stage_services.append(placed)
+            # Each service's start is made only now that all of the stage are placed: one that
+            # cannot be placed leaves no start behind never awaited.
+            starts = [
+                _start(
+                    placed,
+                    config,
+                    [*overrides, *peer_addresses(placed[0].name, services)],
+                    timeout_seconds,
+                    tls_files,
                 )
+                for placed in stage_services
+            ]
             await ready_unless_stopped(asyncio.gather(*starts), stop_requested)
         yield services
     finally:
@@ -239,32 +264,32 @@ def connect(settings: RayLauncherConfig) -> None:
         raise ConfigError(f"launcher.ray.address {settings.address!r}: {e}") from None
 
 
-async def _placement_group(name: str, count: int, resources: ServiceResources) -> PlacementGroup:
+def _node_resources() -> list[dict[str, float]]:
+    """The total resources of each live node of the cluster."""
+    return [node["Resources"] for node in ray.nodes() if node["Alive"]]
+
+
+async def _placement_group(demand: ServiceDemand, timeout_seconds: float) -> PlacementGroup:
     """A placement group of one bundle per replica; raises ServiceDiedError when the cluster
-    cannot hold it within STARTUP_TIMEOUT_SECONDS."""
-    bundle = {
-        "CPU": resources.num_cpus,
-        "GPU": resources.num_gpus,
-        **resources.resources,
-    }
-    bundle = {key: amount for key, amount in bundle.items() if amount > 0}
-    group = placement_group([bundle] * count, strategy=resources.placement.upper())
+    cannot hold it within `timeout_seconds` (launcher.startup_timeout_seconds): other jobs
+    hold what it needs, or its placement cannot be met."""
+    group = placement_group([demand.bundle] * demand.count, strategy=demand.placement.upper())
     try:
-        async with asyncio.timeout(STARTUP_TIMEOUT_SECONDS):
+        async with asyncio.timeout(timeout_seconds):
             await group.ready()
     except TimeoutError:
         remove_placement_group(group)
         raise ServiceDiedError(
-            f"Ray could not place {count} x {bundle} ({resources.placement}) for the {name} "
-            f"service within {STARTUP_TIMEOUT_SECONDS:.0f}s; the cluster has "
-            f"{ray.available_resources()} free (launcher.ray.{name})"
+            f"Ray could not place {demand.count} x {demand.bundle} ({demand.placement}) for the "
+            f"{demand.name} service within {timeout_seconds:g}s "
+            f"(launcher.startup_timeout_seconds); the cluster has "
+            f"{ray.available_resources()} free (launcher.ray.{demand.name})"
         ) from None
     return group
 
 
 async def _place(
-    name: str,
-    count: int,
+    demand: ServiceDemand,
     resources: ServiceResources,
     group: PlacementGroup,
     project: ProjectConfig,
@@ -272,8 +297,9 @@ async def _place(
 ) -> list[RayService]:
     """One actor per bundle of `group`, each on the node Ray placed its bundle on."""
     actor_class = ray.remote(ServiceActor)
+    name = demand.name
     services = []
-    for replica in range(count):
+    for replica in range(demand.count):
         try:
             actor = actor_class.options(
                 name=f"{name}:{replica}",
@@ -294,14 +320,31 @@ async def _place(
     return services
 
 
+async def _issue_node_certificates(
+    placed: list[RayService], tls_files: dict[str, dict[str, bytes]]
+) -> None:
+    """With this launch's TLS, issues the files of each node address in `placed` that has
+    none yet into `tls_files`, one after another: every actor on a machine (Ray nodes on one
+    machine share its address) must write the same certificate and key to the same path, or
+    a service could read one's certificate with another's key."""
+    if launch_tls_dir() is None:
+        return
+    for service in placed:
+        if service.node_address not in tls_files:
+            hosts = [service.node_address, *LOOPBACK_NAMES]
+            tls_files[service.node_address] = await asyncio.to_thread(node_files, hosts)
+
+
 async def _start(
     placed: list[RayService],
     config_path: str | None,
     overrides: list[str],
     startup_timeout_seconds: float,
+    tls_files: dict[str, dict[str, bytes]],
 ) -> None:
     """Starts the processes of one service's actors: each bound to its node's address, and
-    for the trainer's ranks with the rendezvous at rank 0's node."""
+    for the trainer's ranks with the rendezvous at rank 0's node. With this launch's TLS,
+    each gets its node's files from `tls_files` (`_issue_node_certificates`)."""
     name = placed[0].name
     rendezvous: dict[str, str] = {}
     if name == "trainer" and len(placed) > 1:
@@ -319,10 +362,12 @@ async def _start(
         env = {**rendezvous, "RANK": str(service.replica)} if rendezvous else {}
         if token := os.environ.get(LAUNCH_TOKEN_ENV):
             env[LAUNCH_TOKEN_ENV] = token
+        if (tls_dir := launch_tls_dir()) is not None:
+            env[LAUNCH_TLS_DIR_ENV] = str(tls_dir)
         serves = name != "trainer" or service.replica == 0
         service.start_args = (
             name, service.replica, service.server, config_path, [*overrides, *own], env, serves,
-            startup_timeout_seconds,
+            startup_timeout_seconds, tls_files.get(service.node_address, {}),
         )  # fmt: skip
         try:
             service.address = await service.actor.start.remote(*service.start_args)

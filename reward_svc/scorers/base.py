@@ -4,7 +4,9 @@ A rule scorer is a pure, picklable top-level function `score(request) -> Score`:
 runs it in a process pool with a per-item timeout, so CPU-heavy checks (math-verify) never
 block the event loop and a scorer that hangs or crashes costs only its own item. A scorer that
 waits on I/O (an LLM judge, code run in the tool service's sandbox) is an object with an async
-`score(request) -> Score` and runs on the event loop.
+`score(request) -> Score` and runs on the event loop; it raises ScorerUnavailableError when
+that service fails. Any other exception is the scorer failing on the item, which the service
+blames on the response or on the scorer (reward_svc/service.py).
 """
 
 import importlib
@@ -12,6 +14,11 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+
+class ScorerUnavailableError(RuntimeError):
+    """A service the scorer waits on (an LLM judge, the tool service) failed or could not be
+    reached: the system's failure, whatever the response (turnrl/failures.py)."""
 
 
 @dataclass(frozen=True)

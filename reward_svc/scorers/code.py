@@ -19,8 +19,9 @@ fresh bubblewrap sandbox. Two kinds of ground truth (a dict, or the same dict as
 
 A sandbox TIMEOUT or EXECUTION_FAILED (a limit hit) is the candidate's fault: score 0.0 with
 the message in extras["error"]. Anything else going wrong on the tool service's side (it is
-unreachable, refuses the call, or reports another tool error) raises RuntimeError naming its
-address; the reward service turns that into an error result with its configured score.
+unreachable, refuses the call, stops it at this scorer's deadline, or reports another tool
+error) raises ScorerUnavailableError naming its address: the system's failure
+(turnrl/failures.py), which the reward service reports without a score.
 """
 
 import asyncio
@@ -32,14 +33,13 @@ from typing import Any
 
 from pydantic import Field
 
-from reward_svc.scorers.base import Score, ScoringRequest
+from reward_svc.scorers.base import Score, ScorerUnavailableError, ScoringRequest
 from turnrl import errors, rpc
 from turnrl.config import DEFAULT_PORTS, ClientConfig, StrictModel
+from turnrl.failures import CODE_TOOL_ERROR_KINDS
 from turnrl.v1 import tool_pb2, tool_pb2_grpc
 
 MAX_ERROR_CHARS = 1000
-# Error kinds the candidate's own program causes; every other kind is the scorer's problem.
-CANDIDATE_ERROR_KINDS = {tool_pb2.ToolError.KIND_TIMEOUT, tool_pb2.ToolError.KIND_EXECUTION_FAILED}
 # A fenced block: its info string (language), then its body up to the closing fence; a reply
 # cut off at the length limit may lack the closing fence.
 FENCED_BLOCK = re.compile(r"```([^\n`]*)\n(.*?)(?:```|\Z)", re.DOTALL)
@@ -94,10 +94,12 @@ class CodeScorerOptions(StrictModel):
         default="python", min_length=1, description="Name of the tool service's Python tool."
     )
     timeout_seconds: float = Field(
-        default=10.0,
+        default=30.0,
         gt=0,
-        description="Deadline of the tool call running one response's tests, in seconds; the "
-        "tool service answers TIMEOUT before it when the program runs too long.",
+        description="Deadline of the tool call running one response's tests, in seconds. Keep "
+        "it past the sandbox's wall_timeout_seconds (10 by default) and a second: a program "
+        "that runs too long is then stopped by the sandbox, a TIMEOUT scored 0.0, rather than "
+        "by this deadline, which is the system's failure.",
     )
     max_concurrency: int = Field(
         default=8, ge=1, description="Tool calls this scorer has in flight at once."
@@ -148,8 +150,8 @@ class CodeScorer:
     async def score(self, request: ScoringRequest) -> Score:
         """Runs the response's code against the ground truth's tests.
 
-        Raises ValueError for a ground truth of neither shape, RuntimeError when the tool
-        service cannot run the tests.
+        Raises ValueError for a ground truth of neither shape, ScorerUnavailableError when
+        the tool service cannot run the tests.
         """
         tests = parse_tests(request.ground_truth)
         code = extract_code(request.response_text)
@@ -164,7 +166,8 @@ class CodeScorer:
         await self._channel.close()
 
     async def _run(self, program: str) -> tool_pb2.ToolResult:
-        """The tool's result for one program; RuntimeError when the service cannot give one."""
+        """The tool's result for one program; ScorerUnavailableError when the service cannot
+        give one."""
         address = self.options.tool_service.address
         request = tool_pb2.ExecuteRequest(
             tool_name=self.options.tool_name, arguments=json.dumps({"code": program})
@@ -178,14 +181,14 @@ class CodeScorer:
                     max_attempts=self.options.tool_service.max_attempts,
                 )
             except errors.RpcError as e:
-                raise RuntimeError(
+                raise ScorerUnavailableError(
                     f"tool service at {address} failed the {self.options.tool_name!r} call: "
                     f"{e.status}: {e.details}"
                 ) from e
         result = reply.result
-        if result.HasField("error") and result.error.kind not in CANDIDATE_ERROR_KINDS:
+        if result.HasField("error") and result.error.kind not in CODE_TOOL_ERROR_KINDS:
             kind = tool_pb2.ToolError.Kind.Name(result.error.kind)
-            raise RuntimeError(
+            raise ScorerUnavailableError(
                 f"tool service at {address} could not run the tests with tool "
                 f"{self.options.tool_name!r}: {kind}: {result.error.message}"
             )

@@ -19,9 +19,12 @@ cancels a judge's preference for one position.
 
 `samples` k > 1 is one request with `n=k`: part of the OpenAI API, served by vLLM and SGLang
 from one prompt prefill, and one semaphore slot instead of k. Parse failures are dropped from
-the aggregate and counted in the extras. A failed call (unreachable, timeout, HTTP error,
-malformed body), or samples none of which parse, yields `default_score` with extras["error"];
-a request the rubric cannot be filled from (no user message, no reference) raises ValueError.
+the aggregate and counted in the extras. Samples none of which parse yield `default_score`
+with extras["error"]: the judge read the response and found no verdict in it. A failed call
+(unreachable, timeout, HTTP error, malformed body) raises ScorerUnavailableError: the judge,
+not the response, failed, so the item is the system's failure (turnrl/failures.py), never a
+score. A request the rubric cannot be filled from (no user message, no reference) raises
+ValueError.
 """
 
 import asyncio
@@ -37,7 +40,7 @@ from typing import Any, Literal, Self
 import httpx
 from pydantic import BaseModel, Field, model_validator
 
-from reward_svc.scorers.base import Score, ScoringRequest
+from reward_svc.scorers.base import Score, ScorerUnavailableError, ScoringRequest
 from turnrl.config import StrictModel, read_secret_env
 from turnrl.http_json import HttpJsonError, post_json
 
@@ -131,7 +134,8 @@ class JudgeOptions(StrictModel):
     )
     default_score: float = Field(
         default=0.0,
-        description="Score when the call fails or no sample parses; extras['error'] says why.",
+        description="Score when no sample holds a verdict; extras['error'] says why. (A call "
+        "that fails is the system's failure, not a score.)",
     )
     pairwise: bool = Field(
         default=False,
@@ -265,10 +269,6 @@ class _ChatCompletion(BaseModel):
     choices: list[_Choice]
 
 
-class _JudgeCallError(Exception):
-    """A judge call failed; the message names the URL and what went wrong."""
-
-
 class LlmJudge:
     """Grades responses with an LLM through a rubric; `score` may be called concurrently."""
 
@@ -292,18 +292,16 @@ class LlmJudge:
     async def score(self, request: ScoringRequest) -> Score:
         """The judge's score of `request.response_text`, with its samples in the extras.
 
-        Raises ValueError when the rubric needs something `request` lacks; a failed call or
-        unparseable answers give `default_score` and extras["error"].
+        Raises ValueError when the rubric needs something `request` lacks,
+        ScorerUnavailableError when a call fails; unparseable answers give `default_score` and
+        extras["error"].
         """
         prompts = self._prompts(request)
-        call_error = None
         try:
             async with asyncio.TaskGroup() as group:
                 calls = [group.create_task(self._complete(prompt)) for prompt, _ in prompts]
-        except* _JudgeCallError as failures:
-            call_error = str(failures.exceptions[0])
-        if call_error is not None:
-            return self._failed(call_error, texts=[])
+        except* ScorerUnavailableError as failures:
+            raise failures.exceptions[0] from None
         texts, scores = [], []
         for call, (_, parse) in zip(calls, prompts, strict=True):
             for text in call.result():
@@ -342,7 +340,8 @@ class LlmJudge:
         ]
 
     async def _complete(self, prompt: str) -> list[str]:
-        """The judge's `samples` answers to `prompt`; _JudgeCallError when the call fails."""
+        """The judge's `samples` answers to `prompt`; ScorerUnavailableError naming the URL
+        when the call fails."""
         messages = [{"role": "user", "content": prompt}]
         if self.options.system_prompt is not None:
             messages.insert(0, {"role": "system", "content": self.options.system_prompt})
@@ -367,8 +366,8 @@ class LlmJudge:
                 raise self._error(str(e)) from None
         return [choice.message.content or "" for choice in completion.choices]
 
-    def _error(self, what: str) -> _JudgeCallError:
-        return _JudgeCallError(f"judge {self.options.name!r} at {self.url!r} {what}")
+    def _error(self, what: str) -> ScorerUnavailableError:
+        return ScorerUnavailableError(f"judge {self.options.name!r} at {self.url!r} {what}")
 
     def _failed(self, error: str, texts: list[str]) -> Score:
         return Score(self.options.default_score, {"error": error, **_extras(texts, [])})

@@ -6,7 +6,8 @@ length from `rollout.model_path` and `rollout.max_model_len`."""
 
 from pydantic import BaseModel
 
-from rollout_svc.engines.hf import HfEngine, HfEngineOptions
+from rollout_svc.engines.hf import HfEngine
+from rollout_svc.engines.hf_options import HfEngineOptions
 from rollout_svc.engines.sglang import SglangEngine, SglangEngineOptions
 
 ENGINES: dict[str, tuple[type, type[BaseModel]]] = {

@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from turnrl.errors import InvalidArgumentError
+from turnrl.errors import FailedPreconditionError, InvalidArgumentError
 from turnrl.weights import BucketedWeights, TensorMeta
 
 
@@ -60,6 +60,16 @@ def check_prompt(input_ids: Sequence[int], max_model_len: int) -> None:
         raise InvalidArgumentError(
             f"prompt of {len(input_ids)} tokens leaves no room under max_model_len={max_model_len}"
         )
+
+
+def broken_push_error(policy_version: int) -> FailedPreconditionError:
+    """What generate raises while the weights are a mix of two versions: an update to
+    `policy_version` broke off part-way (the sender died, a bucket failed, the group timed out).
+    A complete update clears it; so does a restart, which loads the model afresh."""
+    return FailedPreconditionError(
+        f"weights incomplete after a broken push to version {policy_version}; push again "
+        "(UpdateWeights or PushWeights) or restart the rollout service to reload its model"
+    )
 
 
 @runtime_checkable
@@ -128,6 +138,18 @@ class Engine(Protocol):
         """Raises InvalidArgumentError when update_weights would refuse these tensors (a name
         the model lacks, another shape), before any is sent."""
 
+    @property
+    def broken_push_version(self) -> int | None:
+        """The version of a weight update that began and did not complete before the engine
+        resumed (it broke off part-way), so the weights are a mix of two versions; None while
+        they are one, or while an update is under way (paused). While set, generate raises
+        `broken_push_error`, also for the requests that were in flight."""
+
+    async def begin_weight_update(self, policy_version: int) -> None:
+        """Marks the weights incomplete before an update to `policy_version` starts to land in
+        them (engine paused by the caller); update_weights ends the mark when it takes that
+        version or a newer one, and an engine resumed before that is `broken_push_version`."""
+
     async def weight_buffer(
         self, metas: Sequence[TensorMeta], bucket_size_bytes: int
     ) -> BucketedWeights | None:
@@ -139,8 +161,9 @@ class Engine(Protocol):
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], policy_version: int
     ) -> None:
         """Loads new weights (engine paused by the caller) and takes `policy_version`. An
-        update may come in several calls, one per bucket as it arrives; tensors that are views
-        of `weight_buffer` are in place already."""
+        update may come in several calls, one per bucket as it arrives, after
+        begin_weight_update: all but the last pass the version loaded now, the last the new
+        one. Tensors that are views of `weight_buffer` are in place already."""
 
     async def watch(self) -> None:
         """Waits while the engine can serve; raises UnavailableError, with the cause, once it

@@ -6,7 +6,9 @@ the event loop only enqueues requests and awaits futures the worker settles with
 `loop.call_soon_threadsafe`, so no torch work ever runs on the loop. Each worker iteration, in
 order:
 
-1. applies aborts and runs control commands (pause, resume, update_weights);
+1. applies aborts and runs control commands (pause, resume, update_weights); while a weight
+   update is incomplete (it broke off part-way) and the engine is not paused, ends every
+   request with `broken_push_error` instead of computing with a mix of two versions;
 2. admits the next waiting requests that fit in the free batch slots and `max_prefill_tokens`:
    one batched prefill forward computes the KV of each one's prompt but its last token, over the
    suffix that the session's cached KV does not already cover (a prefix that all the admitted
@@ -23,71 +25,31 @@ between, so running requests keep decoding and the first admitted start theirs e
 import asyncio
 import contextlib
 import logging
-import math
 import random
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Literal, Self
+from typing import Self
 
 import torch
-from pydantic import Field
 from transformers import PreTrainedModel
 
-from rollout_svc.engines.base import FinishReason, GenerateOutput, SamplingParams, check_prompt
+from rollout_svc.engines.base import (
+    FinishReason,
+    GenerateOutput,
+    SamplingParams,
+    broken_push_error,
+)
 from rollout_svc.engines.hf_cache import Kv, SessionKvStore
 from rollout_svc.engines.hf_compute import ModelRunner, Request, load_model
-from turnrl.config import StrictModel
-from turnrl.errors import (
-    AlreadyExistsError,
-    FailedPreconditionError,
-    InvalidArgumentError,
-    UnavailableError,
-)
+from rollout_svc.engines.hf_options import HfEngineOptions, validate_request
+from turnrl.errors import AlreadyExistsError, FailedPreconditionError, UnavailableError
 from turnrl.weights import BucketedWeights, TensorMeta
 
 logger = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_SECONDS = 60.0
-
-
-class HfEngineOptions(StrictModel):
-    """Settings of the `hf` engine (the rollout config's `engine_options`). The model and its
-    context length are the rollout config's `model_path` and `max_model_len`."""
-
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        default="float32",
-        description="Weight and activation dtype; float32 on CPU, bfloat16 on a GPU. Logprobs "
-        "are always computed in float32.",
-    )
-    device: str = Field(default="cpu", description="Torch device of the model: cpu, cuda, cuda:1.")
-    max_batch_size: int = Field(
-        default=128,
-        ge=1,
-        description="Requests decoded together; more wait in a queue. One decode step costs "
-        "little more for 128 rows than for 8 on a small model, so a GRPO step's requests "
-        "(16 prompts x 8 samples) all decode together (benchmarks/vs_trl.py). The running "
-        "batch's KV buffer has this many rows, each as wide as the widest running request "
-        "(at most max_model_len): lower it for a large model with a long context.",
-    )
-    max_prefill_tokens: int = Field(
-        default=8192,
-        ge=1,
-        description="Most tokens one prefill forward runs, padding included: the requests "
-        "admitted together times the longest prompt suffix among them. Bounds the prefill's "
-        "activations and how long decoding waits for it; a longer prompt is prefilled alone.",
-    )
-    kv_cache_budget_bytes: int = Field(
-        default=256 * 1024 * 1024,
-        ge=0,
-        description="Bytes of KV cache kept for finished requests' sessions, so a session's next "
-        "turn computes only its new tokens; least recently used sessions are evicted beyond it. "
-        "Running requests' KV is not counted (it is bounded by max_batch_size * max_model_len).",
-    )
-    seed: int = Field(
-        default=0, description="Seeds the per-request generators of requests that set no seed."
-    )
 
 
 def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future, outcome: object) -> None:
@@ -112,28 +74,6 @@ def _outcome_of(command: Callable[[], object]) -> object:
         return command()
     except Exception as error:
         return error
-
-
-def _validate(
-    input_ids: list[int], sampling: SamplingParams, vocab_size: int, max_model_len: int
-) -> None:
-    check_prompt(input_ids, max_model_len)
-    bad = [token for token in input_ids if not 0 <= token < vocab_size]
-    if bad:
-        raise InvalidArgumentError(
-            f"token ids {bad[:5]!r} are outside the vocabulary [0, {vocab_size})"
-        )
-    checks = {
-        "max_new_tokens": sampling.max_new_tokens >= 1,
-        "temperature": 0 <= sampling.temperature < math.inf,
-        "top_p": 0 < sampling.top_p <= 1,
-        "top_k": sampling.top_k >= 0,
-        "min_p": 0 <= sampling.min_p <= 1,
-        "repetition_penalty": 0 < sampling.repetition_penalty < math.inf,
-    }
-    for name, ok in checks.items():
-        if not ok:
-            raise InvalidArgumentError(f"bad sampling {name}={getattr(sampling, name)!r}")
 
 
 class HfEngine:
@@ -165,12 +105,13 @@ class HfEngine:
         ] = []
         self._sessions = SessionKvStore(options.kv_cache_budget_bytes)
         self._closed = False  # no new requests or commands
+        self._incomplete_update: int | None = None  # `broken_push_version`
         self._failure: UnavailableError | None = None  # why the worker broke
         self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._closing = False  # the worker ends everything and exits
+        self._paused = False  # set by the worker (pause and resume are worker commands)
         # Owned by the worker thread.
         self._waiting: deque[Request] = deque()
-        self._paused = False
         # Replies to send after this iteration's stats are published: (loop, future, outcome).
         self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, object]] = []
         # busy_seconds: time spent prefilling and decoding, the engine's share of the machine.
@@ -191,14 +132,23 @@ class HfEngine:
         """Version of the weights now loaded; 0 for the initial weights."""
         return self._runner.policy_version
 
+    @property
+    def broken_push_version(self) -> int | None:
+        """The version of a weight update that began and did not complete before the engine
+        resumed (see the `Engine` protocol); None while the weights are one version or an
+        update is under way (paused)."""
+        with self._lock:
+            return None if self._paused else self._incomplete_update
+
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, request_id: str, session_id: str = ""
     ) -> GenerateOutput:
         """Samples a continuation of `input_ids` (see the `Engine` protocol). Raises
         InvalidArgumentError for an empty or too long prompt, an id outside the vocabulary or a
         bad sampling value; AlreadyExistsError when `request_id` is running; FailedPrecondition
-        after close(). Cancelling the call aborts the request."""
-        _validate(input_ids, sampling, self._runner.vocab_size, self._max_model_len)
+        after close(), and `broken_push_error` while a weight update is incomplete (also for
+        a request in flight when it broke off). Cancelling the call aborts the request."""
+        validate_request(input_ids, sampling, self._runner.vocab_size, self._max_model_len)
         loop = asyncio.get_running_loop()
         greedy = sampling.temperature == 0
         seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63)
@@ -217,6 +167,8 @@ class HfEngine:
         with self._lock:
             if self._closed:
                 raise FailedPreconditionError("the hf engine is closed")
+            if self._incomplete_update is not None and not self._paused:
+                raise broken_push_error(self._incomplete_update)
             if request_id in self._requests:
                 raise AlreadyExistsError(f"request {request_id!r} is already running")
             self._requests[request_id] = request
@@ -244,16 +196,24 @@ class HfEngine:
     async def pause(self) -> None:
         """Stops decoding at the next step boundary and returns once it has; running requests
         keep their KV and tokens and their generate() calls stay pending, as do new ones."""
-        await self._call_in_worker(lambda: setattr(self, "_paused", True))
+        await self._call_in_worker(lambda: self._set_paused(True))
 
     async def resume(self) -> None:
         """Continues decoding after pause()."""
-        await self._call_in_worker(lambda: setattr(self, "_paused", False))
+        await self._call_in_worker(lambda: self._set_paused(False))
+
+    async def begin_weight_update(self, policy_version: int) -> None:
+        """Marks the weights incomplete before an update to `policy_version` lands in them
+        (the caller pauses first): until update_weights takes that version or a newer one,
+        generate refuses, and on resume the requests in flight end with `broken_push_error`."""
+        with self._lock:
+            self._incomplete_update = policy_version
 
     async def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], policy_version: int
     ) -> None:
-        """Copies tensors into the model's parameters by name and takes `policy_version`.
+        """Copies tensors into the model's parameters by name and takes `policy_version`
+        (which ends begin_weight_update's mark when it is that version or a newer one).
 
         Runs between two decode steps (the caller pauses first). Every tensor is checked before
         any is copied: an unknown name or a wrong shape raises InvalidArgumentError naming the
@@ -291,8 +251,9 @@ class HfEngine:
         await broken
 
     def stats(self) -> dict[str, float]:
-        """running, waiting, paused (0/1), policy_version, cached_sessions, session_kv_bytes,
-        running_kv_bytes (allocated), session_evictions, and the running totals
+        """running, waiting, paused and weights_incomplete (0/1; 1 also while an update is
+        under way), policy_version, cached_sessions, session_kv_bytes, running_kv_bytes
+        (allocated), session_evictions, and the running totals
         tokens_generated, prefill_tokens (computed), prefill_forwards, prefix_cache_hits,
         prefix_cache_hit_tokens (reused) and busy_seconds (prefilling and decoding)."""
         with self._lock:
@@ -302,6 +263,7 @@ class HfEngine:
                 "cached_sessions": len(self._sessions),
                 "session_kv_bytes": self._sessions.nbytes,
                 "session_evictions": self._sessions.evictions,
+                "weights_incomplete": float(self._incomplete_update is not None),
             }
 
     async def close(self) -> None:
@@ -326,6 +288,10 @@ class HfEngine:
             self._commands.append((command, future, loop))
             self._wakeup.notify()
         return await future
+
+    def _set_paused(self, paused: bool) -> None:
+        with self._lock:
+            self._paused = paused
 
     def _work(self) -> None:
         try:
@@ -364,8 +330,12 @@ class HfEngine:
             # Answered before this iteration's compute: a Resume after a weight load would
             # otherwise wait for the re-prefill of the whole batch.
             self._flush()
+        with self._lock:
+            incomplete_update = self._incomplete_update
         if closing:
             self._finish_all(FinishReason.ABORT)
+        elif not self._paused and incomplete_update is not None:
+            self._fail_requests(broken_push_error(incomplete_update))
         elif not self._paused:
             started = time.perf_counter()
             self._admit()
@@ -485,11 +455,16 @@ class HfEngine:
         with self._lock:
             self._closed = True
             commands, self._commands = self._commands, []
-            self._waiting.extend(self._incoming)
-            self._incoming = []
             self._sessions.clear()
         for _, future, loop in commands:
             self._outbox.append((loop, future, FailedPreconditionError("the hf engine is closed")))
+        self._fail_requests(outcome)
+
+    def _fail_requests(self, outcome: FinishReason | Exception) -> None:
+        """Ends every running and waiting request with `outcome`."""
+        with self._lock:
+            self._waiting.extend(self._incoming)
+            self._incoming = []
         for request in [*self._runner.batch.clear(), *self._waiting]:
             self._finish(request, outcome, None)
         self._waiting.clear()
@@ -500,6 +475,8 @@ class HfEngine:
         self._runner.load_weights(named_tensors, policy_version)
         with self._lock:
             self._sessions.clear()
+            if self._incomplete_update is not None and policy_version >= self._incomplete_update:
+                self._incomplete_update = None
         # Their KV came from the old weights: recompute it from their tokens, first in line.
         self._waiting.extendleft(reversed(self._runner.batch.clear()))
         for request in self._waiting:

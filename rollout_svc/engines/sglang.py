@@ -14,57 +14,48 @@ step. Request and reply shapes are `sglang_api`'s.
   "in_place" mode would keep KV computed by the old weights, and SGLang asserts an idle cache
   when it flushes after a weight update, so it is not offered. (Servers older than the mode
   field abort the running requests instead.)
-- Weights: the server, which holds them, joins the trainer's weight-sync group itself
-  (`join_weight_sync`: SGLang's `init_weights_update_group`, with its tensor-parallel ranks),
-  and receives each update tensor by tensor (`receive_weights`: one
-  `update_weights_from_distributed` call per bucket), or in flattened buckets where the
-  server takes them (`weight_layout`); the rollout service's process stays out of the group. Names and shapes are checked against the model's checkpoint first. Each update
-  names its `policy_version` as SGLang's `weight_version`; servers that report per-token
-  `weight_versions` spans let a generation that spans a push carry both versions. Without a
-  group (PushWeights), an update goes as a safetensors folder (`update_weights_from_disk`).
-- Failures name the server URL and map onto turnrl errors: unreachable or HTTP 5xx/429 ->
-  UnavailableError, too slow -> DeadlineExceededError, other HTTP errors -> InvalidArgumentError
-  (FailedPreconditionError where the server refuses for its state); an answer of the wrong
-  shape (an incompatible server version) is a RuntimeError. Only idempotent calls (health,
-  model info, abort, pause, resume, flush) are retried, `max_retries` times.
+- Weights: the server, which holds them, joins the trainer's weight-sync group itself and
+  receives each update there, or from a safetensors folder without a group; the rollout
+  service's process stays out of the group (`sglang_weight_sync`). Servers that report
+  per-token `weight_versions` spans let a generation that spans a push carry both versions.
+- A weight call that fails leaves the server's weights partly updated: the engine then refuses
+  to generate (`broken_push_error`) until an update completes, and on resume aborts the
+  requests that were in flight.
+- Calls, their deadlines and retries, and how failures map onto turnrl errors: `sglang_http`.
 """
 
 import asyncio
 import logging
-import tempfile
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Literal, Self
 
-import httpx
-import tenacity
 import torch
 from pydantic import Field, model_validator
 
-from rollout_svc.engines.base import FinishReason, GenerateOutput, SamplingParams, check_prompt
+from rollout_svc.engines.base import (
+    FinishReason,
+    GenerateOutput,
+    SamplingParams,
+    broken_push_error,
+    check_prompt,
+)
 from rollout_svc.engines.sglang_api import (
     GenerateReply,
     ModelInfo,
     ServerInfo,
-    WeightSyncReply,
-    dtype_name,
-    error_detail,
     parse_reply,
     request_metrics,
     sampling_params,
     token_versions,
     version_number,
 )
+from rollout_svc.engines.sglang_http import SglangHttp
 from rollout_svc.engines.sglang_server import (
     SglangLaunchOptions,
     start_server,
     stop_process_group,
 )
-from rollout_svc.engines.sglang_weights import (
-    check_against_checkpoint,
-    checkpoint_shapes,
-    write_update,
-)
+from rollout_svc.engines.sglang_weight_sync import ServerWeights
 from turnrl.config import StrictModel
 from turnrl.errors import (
     DeadlineExceededError,
@@ -73,12 +64,9 @@ from turnrl.errors import (
     TurnrlError,
     UnavailableError,
 )
-from turnrl.weights import BucketedWeights, TensorMeta, bucket_indices, dtype_runs
+from turnrl.weights import BucketedWeights, TensorMeta
 
 log = logging.getLogger(__name__)
-
-RETRY_BASE_SECONDS = 0.1
-RETRY_MAX_SECONDS = 2.0
 
 
 class SglangEngineOptions(StrictModel):
@@ -148,24 +136,24 @@ class SglangEngine:
         process: asyncio.subprocess.Process | None = None,
     ) -> None:
         """Use `create()`, which also starts the server and checks it."""
-        self.url = url.rstrip("/")
+        self._http = SglangHttp(
+            url,
+            options.max_concurrent_requests,
+            options.control_timeout_seconds,
+            options.max_retries,
+        )
+        self.url = self._http.url
         self._options = options
         self._model_path = model_path
         self._max_model_len = max_model_len
         self._process = process
-        self.weight_sync_ranks = 1  # the server's tensor-parallel size, from create()
-        self.weight_layout = options.weight_layout
-        self._data_parallel_size = 1
-        self._weight_group = ""  # the weight-sync group the server is in
-        # The checkpoint's parameter shapes, read on the first update (None: not local).
-        self._checkpoint_shapes: dict[str, tuple[int, ...]] | None = None
-        limits = httpx.Limits(
-            max_connections=options.max_concurrent_requests,
-            max_keepalive_connections=options.max_concurrent_requests,
+        self.weights = ServerWeights(
+            self._http,
+            model_path,
+            options.weight_layout,
+            options.weight_sync_timeout_seconds,
+            options.control_timeout_seconds,
         )
-        # Deadlines come from asyncio.timeout per call; no proxy from the environment.
-        self._client = httpx.AsyncClient(timeout=None, limits=limits, trust_env=False)
-        self._policy_version = 0
         self._running: set[str] = set()
         self._paused = False
         self._totals = {"requests": 0, "generated_tokens": 0, "aborted": 0}
@@ -183,6 +171,7 @@ class SglangEngine:
         start-up, DeadlineExceededError when it is not healthy in `startup_timeout_seconds`,
         and InvalidArgumentError when it serves an embedding model.
         """
+        process = None
         if options.launch is None:
             assert options.url is not None  # the options validator ensures one of the two
             engine = cls(options, model_path, max_model_len, options.url)
@@ -190,19 +179,19 @@ class SglangEngine:
             process, url = await start_server(options.launch, model_path)
             engine = cls(options, model_path, max_model_len, url, process)
         try:
-            await engine._wait_until_healthy()
-            reply = await engine._call("GET", "/get_model_info", idempotent=True)
+            await engine._http.wait_until_healthy(options.startup_timeout_seconds, process)
+            reply = await engine._http.call("GET", "/get_model_info", idempotent=True)
             info = parse_reply(reply, ModelInfo, engine.url)
             if not info.is_generation:
                 raise InvalidArgumentError(
                     f"SGLang server at {engine.url!r} serves {info.model_path!r}, which is not "
                     "a generation model"
                 )
-            engine._policy_version = version_number(info.weight_version)
-            reply = await engine._call("GET", "/get_server_info", idempotent=True)
+            engine.weights.policy_version = version_number(info.weight_version)
+            reply = await engine._http.call("GET", "/get_server_info", idempotent=True)
             server = parse_reply(reply, ServerInfo, engine.url)
-            engine.weight_sync_ranks = server.tp_size
-            engine._data_parallel_size = server.dp_size
+            engine.weights.ranks = server.tp_size
+            engine.weights.data_parallel_size = server.dp_size
         except BaseException:
             await engine.close()
             raise
@@ -211,7 +200,14 @@ class SglangEngine:
     @property
     def policy_version(self) -> int:
         """Version of the weights now loaded; 0 for weights no push has named."""
-        return self._policy_version
+        return self.weights.policy_version
+
+    @property
+    def broken_push_version(self) -> int | None:
+        """The version of a weight update that began and did not complete before the engine
+        resumed; None while the server's weights are one version or an update is under way
+        (paused). See the `Engine` protocol."""
+        return None if self._paused else self.weights.incomplete_update
 
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, request_id: str, session_id: str = ""
@@ -222,8 +218,11 @@ class SglangEngine:
 
         Raises InvalidArgumentError for empty `input_ids` or a prompt of max_model_len tokens
         or more, a `request_id` already running, or a request the server rejects (ids outside
-        the vocabulary, a prompt longer than its context).
+        the vocabulary, a prompt longer than its context); FailedPreconditionError
+        (`broken_push_error`) while the weights are incomplete, also for a request in flight
+        when a weight update broke off.
         """
+        self._check_weights_complete()
         check_prompt(input_ids, self._max_model_len)
         if request_id in self._running:
             raise InvalidArgumentError(f"request_id {request_id!r} is already running")
@@ -237,7 +236,7 @@ class SglangEngine:
         }
         self._running.add(request_id)
         try:
-            reply = await self._call(
+            reply = await self._http.call(
                 "POST", "/generate", body, timeout_seconds=self._options.request_timeout_seconds
             )
         except (asyncio.CancelledError, DeadlineExceededError):
@@ -245,11 +244,12 @@ class SglangEngine:
             raise
         finally:
             self._running.discard(request_id)
+        self._check_weights_complete()  # its tokens would span weights of two versions
         meta = parse_reply(reply, GenerateReply, self.url).meta_info
         output = GenerateOutput(
             output_ids=[token_id for _, token_id, _ in meta.output_token_logprobs],
             logprobs=[logprob for logprob, _, _ in meta.output_token_logprobs],
-            policy_versions=token_versions(meta, self._policy_version),
+            policy_versions=token_versions(meta, self.weights.policy_version),
             finish_reason=FinishReason(meta.finish_reason.type),
             metrics=request_metrics(meta),
         )
@@ -262,26 +262,46 @@ class SglangEngine:
         """Ends a running request early; its generate() returns the tokens sampled so far with
         FinishReason.ABORT. A request that is not running (finished, unknown) is left alone."""
         if request_id in self._running:
-            await self._call("POST", "/abort_request", {"rid": request_id}, idempotent=True)
+            await self._http.call("POST", "/abort_request", {"rid": request_id}, idempotent=True)
 
     async def end_session(self, session_id: str) -> None:
         """Nothing to free: the radix cache evicts a session's prefix when it needs the room."""
 
     async def pause(self) -> None:
         """Stops decoding; running requests keep their tokens and wait in the server's queue."""
-        await self._call("POST", "/pause_generation", {"mode": "retract"}, idempotent=True)
+        await self._http.call("POST", "/pause_generation", {"mode": "retract"}, idempotent=True)
         self._paused = True
 
     async def resume(self) -> None:
-        """Continues decoding after pause(); waiting requests are prefilled again first."""
-        await self._call("POST", "/continue_generation", {}, idempotent=True)
+        """Continues decoding after pause(); waiting requests are prefilled again first. While
+        a weight update is incomplete, the requests in flight are aborted first: they would
+        go on under a mix of two versions (their generate() raises `broken_push_error`)."""
+        if self.weights.incomplete_update is not None:
+            self._paused = False  # the update is over, broken: generate refuses from here on
+            for request_id in list(self._running):
+                await self._http.call(
+                    "POST", "/abort_request", {"rid": request_id}, idempotent=True
+                )
+        await self._http.call("POST", "/continue_generation", {}, idempotent=True)
         self._paused = False
 
     async def flush_cache(self) -> None:
         """Empties the radix cache. Raises FailedPreconditionError while requests run."""
-        await self._call(
+        await self._http.call(
             "POST", "/flush_cache", idempotent=True, rejected_error=FailedPreconditionError
         )
+
+    # The weight path: `sglang_weight_sync.ServerWeights`, which checks and sends the calls.
+
+    @property
+    def weight_sync_ranks(self) -> int:
+        """The ranks the server joins a weight-sync group with: its tensor-parallel size."""
+        return self.weights.ranks
+
+    @property
+    def weight_layout(self) -> str:
+        """The layout the server receives best (`engine_options.weight_layout`)."""
+        return self.weights.layout
 
     async def join_weight_sync(
         self,
@@ -293,31 +313,12 @@ class SglangEngine:
         group_name: str,
         timeout_seconds: float,
     ) -> None:
-        """Has the server join the trainer's weight-sync group (`init_weights_update_group`),
-        its tensor-parallel ranks from `rank_offset` on, leaving the group it was in; returns
-        once every rank joined, so the trainer must join at the same time.
-
-        Raises FailedPreconditionError when the server cannot join (wrong address, a server of
-        several data-parallel replicas, whose ranks would collide) and DeadlineExceededError
-        after `timeout_seconds`.
-        """
-        if self._data_parallel_size > 1:
-            raise FailedPreconditionError(
-                f"SGLang server at {self.url!r} runs dp_size={self._data_parallel_size}: each "
-                "data-parallel replica would join the weight-sync group with the same ranks; "
-                "serve one replica per server (rollout.replicas) instead"
-            )
-        await self._leave_weight_group()
-        body = {
-            "master_address": master_address,
-            "master_port": master_port,
-            "rank_offset": rank_offset,
-            "world_size": world_size,
-            "group_name": group_name,
-            "backend": backend,
-        }
-        await self._weight_sync_call("/init_weights_update_group", body, timeout_seconds)
-        self._weight_group = group_name
+        """Has the server join the trainer's weight-sync group (`ServerWeights.join`); returns
+        once every rank joined, so the trainer must join at the same time."""
+        await self.weights.join(
+            master_address, master_port, world_size, rank_offset, backend, group_name,
+            timeout_seconds,
+        )  # fmt: skip
 
     async def receive_weights(
         self,
@@ -327,42 +328,10 @@ class SglangEngine:
         layout: str,
         policy_version: int,
     ) -> None:
-        """Has the server receive an update that the trainer broadcasts on the group in
-        `layout`: tensor by tensor, one `update_weights_from_distributed` call per bucket of
-        `bucket_size_bytes`, or in flattened buckets, one call per run of one dtype in each
-        bucket (load_format flattened_bucket); the cache is flushed after the last call, which
-        takes `policy_version`. The engine must be paused.
-
-        Raises InvalidArgumentError, before the server receives anything, for a layout it does
-        not take and for a tensor its model's checkpoint lacks or has in another shape
-        (`check_weights`); FailedPreconditionError when not paused, not in `group_name`, or the
-        server fails.
-        """
-        if layout not in ("per_tensor", self.weight_layout):
-            raise InvalidArgumentError(
-                f"the SGLang server takes per_tensor or {self.weight_layout} updates, not "
-                f"{layout} (engine_options.weight_layout)"
-            )
-        self.check_weights(metas)
-        if group_name != self._weight_group:
-            raise FailedPreconditionError(
-                f"the SGLang server is not in weight-sync group {group_name!r}; call "
-                "InitWeightSync first"
-            )
-        calls = bucket_indices(metas, bucket_size_bytes)
-        if layout == "flattened_buckets":
-            calls = [run for bucket in calls for run in dtype_runs(metas, bucket)]
-        for index, call in enumerate(calls):
-            last = index == len(calls) - 1
-            await self.update_weights_from_distributed(
-                [metas[i].name for i in call],
-                [metas[i].dtype for i in call],
-                [metas[i].shape for i in call],
-                policy_version if last else self._policy_version,
-                group_name=group_name,
-                flush_cache=last,
-                flattened=layout == "flattened_buckets",
-            )
+        """Has the server receive an update broadcast on the group (`ServerWeights.receive`).
+        Raises FailedPreconditionError when the engine is not paused, and as that does."""
+        self._check_paused()
+        await self.weights.receive(group_name, metas, bucket_size_bytes, layout, policy_version)
 
     async def update_weights_from_distributed(
         self,
@@ -375,44 +344,25 @@ class SglangEngine:
         flush_cache: bool = True,
         flattened: bool = False,
     ) -> None:
-        """Receives one bucket of parameters that the trainer broadcasts on the group, one
-        broadcast per tensor in the order of `names` (or, `flattened`, one of them all end to
-        end, one dtype), and takes `policy_version`. The engine must be paused. Pass
-        `flush_cache=False` for every bucket of a push but the last.
-
-        Raises InvalidArgumentError when the three lists differ in length or a dtype is not a
-        torch dtype, FailedPreconditionError when the engine is not paused, the version is
-        older than the loaded one, or the server fails to load the bucket.
-        """
-        if not len(names) == len(dtypes) == len(shapes):
-            raise InvalidArgumentError(
-                f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, "
-                f"{len(shapes)}"
-            )
-        self._check_update(policy_version)
-        body = {
-            "names": list(names),
-            "dtypes": [dtype_name(dtype) for dtype in dtypes],
-            "shapes": [list(shape) for shape in shapes],
-            "group_name": group_name,
-            "flush_cache": flush_cache,
-            "weight_version": str(policy_version),
-        }
-        if flattened:  # servers before the field reject it
-            body["load_format"] = "flattened_bucket"
-        await self._weight_sync_call(
-            "/update_weights_from_distributed", body, self._options.weight_sync_timeout_seconds
-        )
-        self._policy_version = policy_version
+        """Has the server receive one bucket broadcast on the group
+        (`ServerWeights.update_from_distributed`); pass `flush_cache=False` for every bucket
+        of a push but the last. Raises FailedPreconditionError when the engine is not paused,
+        and as that does."""
+        self._check_paused()
+        await self.weights.update_from_distributed(
+            names, dtypes, shapes, policy_version, group_name=group_name,
+            flush_cache=flush_cache, flattened=flattened,
+        )  # fmt: skip
 
     def check_weights(self, metas: Sequence[TensorMeta]) -> None:
-        """Raises InvalidArgumentError naming the first tensor that the server's model
-        checkpoint (the rollout config's `model_path`, when it is a local folder) lacks or
-        has in another shape; with no local checkpoint the server's own load checks them."""
-        if self._checkpoint_shapes is None:
-            self._checkpoint_shapes = checkpoint_shapes(self._model_path) or {}
-        if self._checkpoint_shapes:
-            check_against_checkpoint(metas, self._checkpoint_shapes)
+        """Raises InvalidArgumentError for a tensor the server's checkpoint lacks or has in
+        another shape (`ServerWeights.check`)."""
+        self.weights.check(metas)
+
+    async def begin_weight_update(self, policy_version: int) -> None:
+        """Marks the weights incomplete until an update takes `policy_version` or a newer one
+        (receive_weights does this itself)."""
+        self.weights.incomplete_update = policy_version
 
     async def weight_buffer(
         self, metas: Sequence[TensorMeta], bucket_size_bytes: int
@@ -423,26 +373,12 @@ class SglangEngine:
     async def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], policy_version: int
     ) -> None:
-        """Loads weights sent over gRPC (PushWeights, when no weight-sync group formed): they
-        are written as a safetensors folder that the server loads (`update_weights_from_disk`),
-        so the server must share this machine's disk, as a launched one does. The engine must
-        be paused. Raises InvalidArgumentError, before the server sees them, for a tensor its
-        checkpoint lacks or has in another shape, and FailedPreconditionError when the server
-        fails to load them."""
-        self._check_update(policy_version)
-        named_tensors = list(named_tensors)
-        self.check_weights([TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in named_tensors])
-        with tempfile.TemporaryDirectory(prefix="turnrl-weights-") as folder:
-            await asyncio.to_thread(write_update, named_tensors, self._model_path, Path(folder))
-            body = {
-                "model_path": folder,
-                "flush_cache": True,
-                "weight_version": str(policy_version),
-            }
-            await self._weight_sync_call(
-                "/update_weights_from_disk", body, self._options.weight_sync_timeout_seconds
-            )
-        self._policy_version = policy_version
+        """Loads weights sent over gRPC (PushWeights, when no weight-sync group formed) as a
+        safetensors folder the server reads (`ServerWeights.update_from_disk`), so the server
+        must share this machine's disk, as a launched one does. Raises
+        FailedPreconditionError when the engine is not paused, and as that does."""
+        self._check_paused()
+        await self.weights.update_from_disk(named_tensors, policy_version)
 
     async def watch(self) -> None:
         """Waits while the server this engine launched runs; raises UnavailableError once its
@@ -457,11 +393,13 @@ class SglangEngine:
         )
 
     def stats(self) -> dict[str, float]:
-        """Counts kept by this client: requests running now, finished, aborted, tokens made."""
+        """Counts kept by this client: requests running now, finished, aborted, tokens made;
+        whether the engine is paused and its weights incomplete (0/1), and their version."""
         return {
             "running_requests": float(len(self._running)),
             "paused": float(self._paused),
-            "policy_version": float(self._policy_version),
+            "policy_version": float(self.weights.policy_version),
+            "weights_incomplete": float(self.weights.incomplete_update is not None),
             "requests_total": float(self._totals["requests"]),
             "generated_tokens_total": float(self._totals["generated_tokens"]),
             "aborted_total": float(self._totals["aborted"]),
@@ -471,145 +409,25 @@ class SglangEngine:
         """Closes the connections and stops the server this engine launched: SIGTERM to its
         process group, SIGKILL after `shutdown_timeout_seconds`. A server given by `url` keeps
         running."""
-        await self._client.aclose()
+        await self._http.close()
         if self._process is not None and self._options.launch is not None:
             await stop_process_group(self._process, self._options.launch.shutdown_timeout_seconds)
 
-    async def _wait_until_healthy(self) -> None:
-        """Polls GET /health_generate (which runs a one-token generation) until it answers 200."""
-
-        async def healthy() -> bool:
-            if self._process is not None and self._process.returncode is not None:
-                raise UnavailableError(
-                    f"SGLang server process {self._process.pid} exited with code "
-                    f"{self._process.returncode} before {self.url!r} became healthy; its log "
-                    "is above"
-                )
-            try:
-                response = await self._client.get(
-                    f"{self.url}/health_generate", timeout=self._options.control_timeout_seconds
-                )
-            except httpx.TransportError:
-                return False
-            return response.status_code == 200
-
-        retrying = tenacity.AsyncRetrying(
-            retry=tenacity.retry_if_result(lambda is_healthy: not is_healthy),
-            wait=tenacity.wait_exponential_jitter(
-                multiplier=RETRY_BASE_SECONDS, max=RETRY_MAX_SECONDS, jitter=RETRY_BASE_SECONDS
-            ),
-        )
-        timeout_seconds = self._options.startup_timeout_seconds
-        log.info(
-            "waiting up to %g s for the SGLang server at %s to be healthy",
-            timeout_seconds,
-            self.url,
-        )
-        try:
-            async with asyncio.timeout(timeout_seconds):
-                await retrying(healthy)
-        except TimeoutError:
-            raise DeadlineExceededError(
-                f"SGLang server at {self.url!r} was not healthy within {timeout_seconds:g} s"
-            ) from None
-
-    async def _call(
-        self,
-        method: str,
-        path: str,
-        body: dict | None = None,
-        *,
-        timeout_seconds: float | None = None,
-        idempotent: bool = False,
-        rejected_error: type[TurnrlError] = InvalidArgumentError,
-    ) -> httpx.Response:
-        """Sends one request within `timeout_seconds` (default: control_timeout_seconds) and
-        returns its 200 answer; the errors are those of the module docstring.
-
-        Not `turnrl.http_json.post_json`: several SGLang endpoints are GETs or answer with an
-        empty or plain-text body.
-        """
-        timeout_seconds = timeout_seconds or self._options.control_timeout_seconds
-        retrying = tenacity.AsyncRetrying(
-            retry=tenacity.retry_if_exception_type(httpx.TransportError)
-            | tenacity.retry_if_result(_is_retryable),
-            stop=tenacity.stop_after_attempt(self._options.max_retries + 1 if idempotent else 1),
-            wait=tenacity.wait_exponential_jitter(
-                multiplier=RETRY_BASE_SECONDS, max=RETRY_MAX_SECONDS, jitter=RETRY_BASE_SECONDS
-            ),
-            # After the last attempt: its response, or its exception, as it came.
-            retry_error_callback=lambda state: state.outcome.result(),
-        )
-        server = f"SGLang server at {self.url!r}"
-        try:
-            async with asyncio.timeout(timeout_seconds):
-                response = await retrying(self._client.request, method, self.url + path, json=body)
-        except (TimeoutError, httpx.TimeoutException):
-            raise DeadlineExceededError(
-                f"{server} did not answer {method} {path} within {timeout_seconds:g} s"
-            ) from None
-        except httpx.TransportError as e:
-            raise UnavailableError(
-                f"{server} is unreachable for {method} {path} ({type(e).__name__}: {e})"
-            ) from None
-        if _is_retryable(response):
-            raise UnavailableError(
-                f"{server} failed {method} {path}: HTTP {response.status_code} "
-                f"{error_detail(response)!r}"
-            )
-        if response.status_code != 200:
-            raise rejected_error(
-                f"{server} rejected {method} {path}: HTTP {response.status_code} "
-                f"{error_detail(response)!r}"
-            )
-        return response
-
-    def _check_update(self, policy_version: int) -> None:
+    def _check_paused(self) -> None:
         if not self._paused:
             raise FailedPreconditionError(
                 "pause() the engine before updating its weights: SGLang flushes its cache after "
                 "an update and fails while requests run"
             )
-        if policy_version < self._policy_version:
-            raise FailedPreconditionError(
-                f"policy_version {policy_version} is older than the loaded version "
-                f"{self._policy_version}"
-            )
 
-    async def _leave_weight_group(self) -> None:
-        """Has the server leave its weight-sync group, if any, so its name and its
-        communicators are free; a server without `/destroy_weights_update_group` keeps it."""
-        if not self._weight_group:
-            return
-        try:
-            await self._weight_sync_call(
-                "/destroy_weights_update_group",
-                {"group_name": self._weight_group},
-                self._options.control_timeout_seconds,
-            )
-        except TurnrlError as e:
-            log.warning("the SGLang server kept weight-sync group %r: %s", self._weight_group, e)
-        self._weight_group = ""
-
-    async def _weight_sync_call(self, path: str, body: dict, timeout_seconds: float) -> None:
-        response = await self._call(
-            "POST", path, body, timeout_seconds=timeout_seconds,
-            rejected_error=FailedPreconditionError,
-        )  # fmt: skip
-        reply = parse_reply(response, WeightSyncReply, self.url)
-        if not reply.success:
-            raise FailedPreconditionError(
-                f"SGLang server at {self.url!r} failed POST {path}: {reply.message!r}"
-            )
+    def _check_weights_complete(self) -> None:
+        if self.broken_push_version is not None:
+            raise broken_push_error(self.broken_push_version)
 
     async def _abort_abandoned(self, request_id: str) -> None:
         """Tells the server to drop a request whose caller gave up. Failures are logged only:
         the server also aborts a request once its connection closes."""
         try:
-            await self._call("POST", "/abort_request", {"rid": request_id}, idempotent=True)
+            await self._http.call("POST", "/abort_request", {"rid": request_id}, idempotent=True)
         except TurnrlError as e:
             log.warning("could not abort abandoned request %r: %s", request_id, e)
-
-
-def _is_retryable(response: httpx.Response) -> bool:
-    return response.status_code == 429 or response.status_code >= 500

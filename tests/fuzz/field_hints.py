@@ -22,6 +22,9 @@ from .fuzzed_services import RUN_NAME, TOOLS, Served
 from .proto_strategies import TEXTS, messages, mostly
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# Every temperature the engine samples at (rollout_svc/engines/hf.py: 0 <= temperature < inf),
+# as float32 holds them: 0, subnormal ones, up to the largest.
+ENGINE_TEMPERATURES = st.floats(0, float(torch.finfo(torch.float32).max), width=32)
 # The longest a fuzzed weight-sync rendezvous may wait.
 MAX_JOIN_SECONDS = 0.05
 
@@ -58,8 +61,10 @@ def field_hints(served: Served, shapes: dict[str, list[int]]) -> dict[str, st.Se
         "turnrl.v1.ScoringInput.data_source": data_sources,
         "turnrl.v1.GenerateRequest.prompts": st.lists(prompt, min_size=1, max_size=2),
         "turnrl.v1.GenerateRequest.n": mostly(st.integers(0, 2), int32s.filter(lambda n: n < 0)),
-        "turnrl.v1.SamplingParams.temperature": st.none() | _survivable_floats(),
-        "turnrl.v1.SamplingParams.repetition_penalty": st.none() | _survivable_floats(),
+        # Any float: the engine samples at every temperature in [0, inf), however close to 0,
+        # and refuses the rest (NaN, negatives, infinity); likewise every penalty in (0, inf).
+        "turnrl.v1.SamplingParams.temperature": st.none() | st.floats(width=32),
+        "turnrl.v1.SamplingParams.repetition_penalty": st.none() | st.floats(width=32),
         "turnrl.v1.LengthLimits.max_model_len": limits,
         "turnrl.v1.LengthLimits.max_response_length": limits,
         "turnrl.v1.LengthLimits.max_new_tokens": limits,
@@ -87,8 +92,8 @@ def field_hints(served: Served, shapes: dict[str, list[int]]) -> dict[str, st.Se
 def generate_requests(served: Served) -> st.SearchStrategy[rollout_pb2.GenerateRequest]:
     """Generate requests that pass validation: 1 or 2 prompts, each with messages whose role is
     set, served tools, no interaction and finite JSON; limits left to the service; `n` 1 or 2;
-    sampling values in range (the engine refuses others, ending the trajectory; a temperature
-    below 1e-37 kills it: test_one_generate_leaves_the_engine_serving). Any text."""
+    sampling values in range (the engine refuses others, ending the trajectory), temperatures
+    over all the engine takes (ENGINE_TEMPERATURES). Any text."""
     finite = {"google.protobuf.Value.number_value": st.floats(-1e6, 1e6)}
     prompt = _prompts(
         st.sampled_from(range(1, 5)),
@@ -99,7 +104,7 @@ def generate_requests(served: Served) -> st.SearchStrategy[rollout_pb2.GenerateR
     )
     sampling = st.builds(
         common_pb2.SamplingParams,
-        temperature=st.just(0.0) | st.floats(2**-6, 2, width=32),
+        temperature=ENGINE_TEMPERATURES,
         top_p=st.floats(0.125, 1, width=32),
         top_k=st.integers(0, 50),
         min_p=st.floats(0, 0.5, width=32),
@@ -177,13 +182,6 @@ def weight_pushes(shapes: dict[str, list[int]]) -> st.SearchStrategy[list]:
 
 def tensor_bytes(values: torch.Tensor, dtype: torch.dtype) -> bytes:
     return values.to(dtype).contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _survivable_floats() -> st.SearchStrategy[float]:
-    """Floats, NaN and negatives included, but no positive one under 2**-6 and no infinity:
-    they overflow the logits, which kills the hf engine's worker (the open finding of
-    test_one_generate_leaves_the_engine_serving), and every later test with it."""
-    return st.floats(width=32).filter(lambda value: not (0 < value < 2**-6 or math.isinf(value)))
 
 
 def _struct(values: dict) -> struct_pb2.Struct:

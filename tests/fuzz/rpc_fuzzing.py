@@ -25,6 +25,11 @@ PADDING_FIELD_NUMBER = 1000
 # Statuses that mean the server failed, not the request: a handler raised something that is
 # not a turnrl error (INTERNAL), or grpc caught an exception around the handler (UNKNOWN).
 SERVER_FAILURES = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+# The RPCs ("Service.Method") whose handler answers DEADLINE_EXCEEDED itself, as its proto
+# says (a weight-sync group that does not form within the request's timeout). Every other
+# handler answers a fuzzed request, a validation error most of all, long before the test's
+# deadline: DEADLINE_EXCEEDED from one of them means it hung, a server failure too.
+MAY_ANSWER_DEADLINE_EXCEEDED = frozenset({"RolloutService.InitWeightSync"})
 
 
 @contextlib.contextmanager
@@ -101,6 +106,27 @@ def call_for_responses(
     except grpc.RpcError as e:
         return e.code(), e.details() or "", responses
     return grpc.StatusCode.OK, "", responses
+
+
+def server_failed(method: MethodDescriptor, code: grpc.StatusCode) -> bool:
+    """Whether `code`, the status of a call of `method`, is the server's failure rather than
+    an answer about the request."""
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"{method.containing_service.name}.{method.name}" not in MAY_ANSWER_DEADLINE_EXCEEDED
+    return code in SERVER_FAILURES
+
+
+def check_status(
+    channel: grpc.Channel,
+    method: MethodDescriptor,
+    requests: Sequence[bytes],
+    timeout_seconds: float,
+) -> None:
+    """Asserts that `requests` get a status that is not a server failure (`server_failed`), and
+    that the service still reports SERVING after them."""
+    code, details = call(channel, method, requests, timeout_seconds)
+    assert not server_failed(method, code), f"{method.full_name}: {code.name}: {details}"
+    assert serving_status(channel, method.containing_service.full_name) == "SERVING"
 
 
 def padded(message: bytes, size_bytes: int) -> bytes:

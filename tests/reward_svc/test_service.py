@@ -4,6 +4,7 @@ items, batching, plugins, limits."""
 import asyncio
 import contextlib
 import re
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from reward_svc.config import PluginEntry, RewardConfig
 from reward_svc.server import RewardServicer
 from reward_svc.service import RewardService
 from tests.conftest import serve_in_process
+from tests.reward_svc.judge_stand_in import judge_options
 from turnrl import rpc
 from turnrl.config import ClientConfig, ServerConfig
 from turnrl.errors import ConfigError, DeadlineExceededError, InvalidArgumentError
@@ -25,7 +27,9 @@ PROBE_PLUGINS = [
     PluginEntry(data_sources=["raises"], path=PLUGINS, function="raises"),
     PluginEntry(data_sources=["hangs"], path=PLUGINS, function="sleeps_forever"),
     PluginEntry(data_sources=["dies"], path=PLUGINS, function="kills_its_process"),
+    PluginEntry(data_sources=["fragile"], path=PLUGINS, function="fails_on_some_responses"),
 ]
+Failure = reward_pb2.ScoringResult.Failure
 
 
 @contextlib.asynccontextmanager
@@ -79,11 +83,13 @@ async def test_plugin_scores_and_lists():
     ("data_source", "message"),
     [("raises", "ValueError: cannot grade 'x'"), ("dies", "scorer process died (exit code 3)")],
 )
-async def test_failing_scorer_gives_an_error_result(data_source, message):
+async def test_scorer_failing_on_the_ground_truth_too_is_broken_the_systems(data_source, message):
     async with reward_server(error_score=-1.0) as stub:
-        result = await score(stub, data_source, "x")
+        result = await score(stub, data_source, "x", "42")
     assert result.reward.error and result.reward.score == -1.0
+    assert result.failure == Failure.FAILURE_SCORER_BROKEN
     assert message in result.reward.error_message
+    assert "on the ground truth alone too" in result.reward.error_message
     assert json_format.MessageToDict(result.reward.extras)["error"] == result.reward.error_message
 
 
@@ -91,7 +97,27 @@ async def test_hung_scorer_times_out_alone():
     async with reward_server(item_timeout_seconds=0.5) as stub:
         hung, fine = await asyncio.gather(score(stub, "hangs", "x"), score(stub, "echo", "a", "a"))
     assert hung.reward.error and "past its 0.5s limit" in hung.reward.error_message
-    assert fine.reward.score == 1.0 and not fine.reward.error
+    assert hung.failure == Failure.FAILURE_SCORER_BROKEN
+    assert fine.reward.score == 1.0 and not fine.reward.error and not fine.failure
+
+
+@pytest.mark.parametrize(
+    ("response", "message"),
+    [
+        ("raise", "RecursionError: maximum recursion depth exceeded"),
+        ("hang", "past its 0.5s limit"),
+        ("die", "scorer process died (exit code 3)"),
+    ],
+)
+async def test_scorer_failing_on_the_response_alone_scores_it_as_the_models(response, message):
+    async with reward_server(item_timeout_seconds=0.5, error_score=-1.0) as stub:
+        failed = await score(stub, "fragile", response, "42")
+        fine = await score(stub, "fragile", "42", "42")
+    # The model earned the lowest score: trained on, with the reason kept.
+    assert not failed.reward.error and failed.reward.score == -1.0
+    assert failed.failure == Failure.FAILURE_SCORER_FAILED_ON_RESPONSE
+    assert message in json_format.MessageToDict(failed.reward.extras)["error"]
+    assert fine.reward.score == 1.0 and not fine.failure
 
 
 async def test_unknown_data_source_is_invalid_argument_naming_the_known_ones():
@@ -120,11 +146,30 @@ async def test_malformed_input_is_invalid_argument(item, message):
     assert message in info.value.details
 
 
-async def test_ten_megabyte_response_is_an_error_result():
-    async with reward_server() as stub:
+async def test_ten_megabyte_response_earns_the_error_score():
+    async with reward_server(error_score=-1.0) as stub:
         result = await score(stub, "echo", "x" * (10 * 1024 * 1024), "x")
-    assert result.reward.error
-    assert "response is 10485760 bytes; at most 1048576 are scored" in result.reward.error_message
+    # The model wrote it: scored, not excluded.
+    assert not result.reward.error and result.reward.score == -1.0
+    assert result.failure == Failure.FAILURE_RESPONSE_TOO_LARGE
+    error = json_format.MessageToDict(result.reward.extras)["error"]
+    assert "response is 10485760 bytes; at most 1048576 are scored" in error
+
+
+async def test_unreachable_judge_is_the_systems_failure():
+    with socket.socket() as reserved:  # bound, never listening: connections are refused
+        reserved.bind(("127.0.0.1", 0))
+        judge = judge_options(
+            base_url=f"http://127.0.0.1:{reserved.getsockname()[1]}/v1", max_retries=0
+        )
+        item = scoring_input("gsm8k_judge", "The answer is 72.", "72")
+        question = common_pb2.ContentPart(text="What is 8 * 9?")
+        item.messages.add(role=common_pb2.Message.ROLE_USER, content=[question])
+        async with reward_server(judges=[judge]) as stub:
+            reply = await stub.Score(reward_pb2.ScoreRequest(input=item), timeout=30)
+    result = reply.result
+    assert result.reward.error and result.failure == Failure.FAILURE_SCORER_UNAVAILABLE
+    assert "is unreachable" in result.reward.error_message
 
 
 async def test_caller_deadline_is_deadline_exceeded():
@@ -155,6 +200,7 @@ async def test_score_batch_answers_every_item_once_and_isolates_bad_ones():
         else:
             assert result.reward.error, (kind, result)
     assert "unknown data_source 'nope'" in results["item-4"].reward.error_message
+    assert results["item-4"].failure == Failure.FAILURE_UNKNOWN_DATA_SOURCE
 
 
 async def test_plugin_that_cannot_load_stops_start_up(tmp_path):

@@ -14,7 +14,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from rollout_svc.engines.base import GenerateOutput, SamplingParams
-from rollout_svc.engines.hf import HfEngine, HfEngineOptions
+from rollout_svc.engines.hf import HfEngine
+from rollout_svc.engines.hf_options import HfEngineOptions
 
 VOCAB_SIZE = 512
 MAX_MODEL_LEN = 512

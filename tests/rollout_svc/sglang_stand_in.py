@@ -6,16 +6,15 @@ loopback: a counter model decodes one token per step (or, given a local model fo
 model samples: turnrl's hf engine behind SGLang's API), answers [logprob, token_id, text]
 triples and finish reasons, honours max_new_tokens and stop_token_ids, aborts by rid, pauses
 and continues, joins real weight-sync groups and receives the tensors broadcast on them (or
-written to disk) as SGLang does, and records every request so tests check the bodies
-the adapter sent. Run as a script, this module serves the stand-in on the --host and --port
-it is given, which is how the launch tests stand in for `python -m sglang.launch_server`.
+written to disk) as SGLang does (`sglang_stand_in_weights`), and records every request so
+tests check the bodies the adapter sent. Run as a script, this module serves the stand-in on
+the --host and --port it is given, which is how the launch tests stand in for
+`python -m sglang.launch_server`.
 """
 
 import argparse
 import asyncio
 import contextlib
-import datetime
-import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,29 +24,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import uvicorn
-from safetensors.torch import load_file
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
-from torch.distributed.distributed_c10d import (
-    Backend,
-    PrefixStore,
-    _new_process_group_helper,
-    _world,
-    rendezvous,
-)
 
 from rollout_svc.engines.base import FinishReason, SamplingParams
-from rollout_svc.engines.hf import HfEngine, HfEngineOptions
+from rollout_svc.engines.hf import HfEngine
+from rollout_svc.engines.hf_options import HfEngineOptions
+from tests.rollout_svc.sglang_stand_in_weights import (
+    WAIT_SECONDS,
+    join_as_sglang,
+    load_folder,
+    receive_flattened,
+    receive_per_tensor,
+    spans_of,
+    version_spans,
+)
 from turnrl.config import REPO_ROOT
 from turnrl.errors import InvalidArgumentError
 
 VOCAB_SIZE = 1000
 
 EOS_TOKEN_ID = VOCAB_SIZE - 1
-
-WAIT_SECONDS = 10.0
 # The keyword arguments of SGLang's SamplingParams that callers may set.
 SGLANG_SAMPLING_KEYS = {
     "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
@@ -212,7 +211,7 @@ class SglangStandIn:
                 [token_logprob(token), token, None] for token in request.output_ids
             ]
         if self.report_version_spans:
-            meta_info["weight_versions"] = _version_spans(
+            meta_info["weight_versions"] = version_spans(
                 request.version_changes, self.weight_version, len(request.output_ids)
             )
         text = "".join(f"<{token}>" for token in request.output_ids)
@@ -255,7 +254,7 @@ class SglangStandIn:
                 [logprob, token, None]
                 for logprob, token in zip(out.logprobs, out.output_ids, strict=True)
             ],
-            "weight_versions": _spans_of(out.policy_versions),
+            "weight_versions": spans_of(out.policy_versions),
         }
         return JSONResponse({"output_ids": out.output_ids, "meta_info": meta_info})
 
@@ -346,9 +345,12 @@ class SglangStandIn:
         if group_name in self.groups:
             return _weight_sync_failure(f"Process group {group_name!r} already exists.")
         try:
-            self.groups[group_name] = await asyncio.to_thread(join_as_sglang, body, group_name)
+            group = await asyncio.to_thread(join_as_sglang, body, group_name)
         except Exception as e:  # SGLang answers the failure, it does not raise
             return _weight_sync_failure(f"Failed to initialize custom process group: {e}.")
+        async with self._changed:
+            self.groups[group_name] = group
+            self._changed.notify_all()
         return JSONResponse({"success": True, "message": "Succeeded to initialize group."})
 
     async def _destroy_weights_update_group(self, body: dict) -> Response:
@@ -375,7 +377,13 @@ class SglangStandIn:
         if load_format and len(set(dtypes)) > 1:  # FlattenedTensorBucket concatenates them
             return _weight_sync_failure(f"a flattened bucket of several dtypes: {dtypes}")
         receive = receive_flattened if load_format else receive_per_tensor
-        received = await asyncio.to_thread(receive, group, dtypes, shapes)
+        try:
+            received = await asyncio.to_thread(receive, group, dtypes, shapes)
+        except RuntimeError as e:  # SGLang's words: earlier buckets stay loaded
+            return _weight_sync_failure(
+                f"Failed to update parameter online: {e}. The full weights of the ModelRunner "
+                "are partially updated. Please discard the whole weights."
+            )
         await self._load(dict(zip(names, received, strict=True)), body.get("weight_version"))
         return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
 
@@ -436,59 +444,6 @@ class SglangStandIn:
         )
 
 
-def load_folder(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors files in `folder`."""
-    return {
-        name: tensor
-        for file in sorted(folder.glob("*.safetensors"))
-        for name, tensor in load_file(file).items()
-    }
-
-
-def join_as_sglang(body: dict, group_name: str) -> dist.ProcessGroup:
-    """Joins the weight-sync group as SGLang's ModelRunner.init_weights_update_group does (its
-    `init_custom_process_group`, tensor-parallel rank 0): rendezvous at tcp://master, the keys
-    under a PrefixStore named after the group, the group made and registered by torch's helper.
-    Written out here, not taken from turnrl, so a test shows that turnrl's end agrees."""
-    timeout = datetime.timedelta(seconds=WAIT_SECONDS)
-    init_method = f"tcp://{body['master_address']}:{body['master_port']}"
-    store, rank, world_size = next(
-        rendezvous(init_method, body["rank_offset"], body["world_size"], timeout=timeout)
-    )
-    store.set_timeout(timeout)
-    group, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(body.get("backend", "nccl")),
-        PrefixStore(group_name, store), group_name=group_name, timeout=timeout,
-    )  # fmt: skip
-    _world.pg_group_ranks[group] = {member: member for member in range(world_size)}
-    return group
-
-
-def receive_flattened(
-    group: dist.ProcessGroup, dtypes: list[str], shapes: list[list[int]]
-) -> list[torch.Tensor]:
-    """One broadcast of the tensors end to end, as SGLang's load_format "flattened_bucket"
-    (its FlattenedTensorBucket) receives them; split back into the tensors."""
-    sizes = [math.prod(shape) for shape in shapes]
-    flat = torch.empty(sum(sizes), dtype=getattr(torch, dtypes[0]))
-    dist.broadcast(flat, src=0, group=group)
-    return [piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes, strict=True)]
-
-
-def receive_per_tensor(
-    group: dist.ProcessGroup, dtypes: list[str], shapes: list[list[int]]
-) -> list[torch.Tensor]:
-    """One broadcast from rank 0 per tensor, as SGLang's update_weights_from_distributed."""
-    tensors = [
-        torch.empty(shape, dtype=getattr(torch, dtype))
-        for dtype, shape in zip(dtypes, shapes, strict=True)
-    ]
-    handles = [dist.broadcast(tensor, src=0, group=group, async_op=True) for tensor in tensors]
-    for handle in handles:
-        handle.wait()
-    return tensors
-
-
 def _weight_sync_failure(message: str) -> Response:
     return JSONResponse({"success": False, "message": message}, status_code=400)
 
@@ -498,29 +453,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while length < min(len(a), len(b)) and a[length] == b[length]:
         length += 1
     return length
-
-
-def _spans_of(versions: list[int]) -> list[dict]:
-    """meta_info["weight_versions"] of tokens sampled by the given versions, one each."""
-    spans: list[dict] = []
-    for index, version in enumerate(versions):
-        if spans and spans[-1]["version"] == str(version):
-            spans[-1]["end"] = index + 1
-        else:
-            spans.append({"version": str(version), "start": index, "end": index + 1})
-    return spans
-
-
-def _version_spans(changes: list[tuple[str, int]], current: str, count: int) -> list[dict]:
-    """SGLang's meta_info["weight_versions"]: which version sampled which output tokens."""
-    spans: list[dict] = []
-    for version, end in [*changes, (current, count)]:
-        start = spans[-1]["end"] if spans else 0
-        if spans and spans[-1]["version"] == version:
-            spans[-1]["end"] = end
-        elif not spans or end > start:
-            spans.append({"version": version, "start": start, "end": end})
-    return spans
 
 
 def engine_options(**overrides: Any) -> dict:

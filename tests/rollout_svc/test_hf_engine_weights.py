@@ -1,7 +1,9 @@
 """Weight updates of the hf engine, on the tiny random Qwen3 of hf_engine_fixtures: a pause,
 an update and a resume switch a running request to the new weights between two tokens; a bad
-update changes nothing; a push received into the parameters' own buffer is the load."""
+update changes nothing; a push received into the parameters' own buffer is the load; an
+update that does not complete refuses generation until one does."""
 
+import asyncio
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +28,7 @@ from tests.rollout_svc.hf_engine_fixtures import engine as engine
 from tests.rollout_svc.hf_engine_fixtures import model_dir as model_dir
 from tests.rollout_svc.hf_engine_fixtures import one_torch_thread as one_torch_thread
 from tests.rollout_svc.hf_engine_fixtures import reference as reference
-from turnrl.errors import InvalidArgumentError
+from turnrl.errors import FailedPreconditionError, InvalidArgumentError
 from turnrl.weights import TensorMeta
 
 
@@ -129,3 +131,33 @@ async def test_a_push_is_received_into_the_parameters_themselves(
             await engine.weight_buffer([TensorMeta("nope", torch.float32, (2,))], 1024)
     finally:
         await engine.close()
+
+
+async def test_an_update_that_does_not_complete_refuses_generation(
+    model_dir: Path, reference: Qwen3ForCausalLM, perturbed: dict[str, torch.Tensor]
+) -> None:
+    prompt = random_ids(9, seed=42)
+    engine = await start_engine(model_dir)
+    try:
+        in_flight = asyncio.create_task(engine.generate(prompt, greedy(LONG_TOKENS), "flying"))
+        await engine.pause()
+        await engine.begin_weight_update(policy_version=1)
+        # One bucket of the update lands, then the push breaks off.
+        await engine.update_weights(list(perturbed.items())[:1], policy_version=0)
+        assert engine.broken_push_version is None  # paused: the update may still complete
+        assert engine.stats()["weights_incomplete"] == 1.0
+        await engine.resume()
+        assert engine.broken_push_version == 1
+        with pytest.raises(FailedPreconditionError, match="broken push to version 1; push again"):
+            await in_flight
+        with pytest.raises(FailedPreconditionError, match="broken push to version 1"):
+            await engine.generate(prompt, greedy(4), "refused")
+        await engine.pause()
+        await engine.update_weights(perturbed.items(), policy_version=1)
+        await engine.resume()
+        assert (engine.broken_push_version, engine.stats()["weights_incomplete"]) == (None, 0.0)
+        out = await engine.generate(prompt, greedy(10), "whole")
+    finally:
+        await engine.close()
+    assert out.output_ids == generate_reference(reference, prompt, 10)
+    assert out.policy_versions == [1] * 10

@@ -12,7 +12,8 @@ from google.protobuf import json_format
 from transformers import AutoModelForCausalLM
 
 from rollout_svc.config import InteractionEntry, RolloutConfig
-from rollout_svc.engines.hf import HfEngine, HfEngineOptions
+from rollout_svc.engines.hf import HfEngine
+from rollout_svc.engines.hf_options import HfEngineOptions
 from rollout_svc.server import RolloutServicer
 from rollout_svc.service import RolloutService
 from tests.conftest import serve_in_process

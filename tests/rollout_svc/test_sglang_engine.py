@@ -147,21 +147,29 @@ async def test_abort_of_a_request_not_running_sends_nothing(stand_in, engine):
 
 @contextlib.asynccontextmanager
 async def weight_group(
-    engine: SglangEngine, specs: list[str], name: str = "g", layout: str = "per_tensor"
+    engine: SglangEngine,
+    specs: list[str],
+    name: str = "g",
+    layout: str = "per_tensor",
+    die_after_buckets: int | None = None,
 ) -> AsyncIterator[dict[str, torch.Tensor]]:
     """A real gloo weight-sync group that the stand-in server joins, its rank 0 a process
-    (`weight_sender`) that broadcasts the tensors `specs` name once the server receives them;
-    yields those tensors, and checks the sender's exit."""
+    (`weight_sender`) that broadcasts the tensors `specs` name once the server receives them
+    (or dies after `die_after_buckets` buckets of 2 KiB); yields those tensors, and checks the
+    sender's exit."""
+    command = weight_sender.command(
+        name, specs, layout=layout, bucket_size=2048, die_after_buckets=die_after_buckets
+    )
     sender = await asyncio.create_subprocess_exec(
-        sys.executable, *weight_sender.command(name, specs, layout=layout, bucket_size=2048),
-        cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable, *command, cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE
+    )
     try:
         port = int(await sender.stdout.readline())
         await engine.join_weight_sync("127.0.0.1", port, 2, 1, "gloo", name, WAIT_SECONDS)
         yield weight_sender.sent_tensors(specs)
         async with asyncio.timeout(WAIT_SECONDS):
-            assert await sender.wait() == 0
+            exit_code = 0 if die_after_buckets is None else weight_sender.DIED
+            assert await sender.wait() == exit_code
     finally:
         if sender.returncode is None:
             sender.kill()

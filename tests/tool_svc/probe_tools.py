@@ -64,3 +64,18 @@ class EchoTool(Tool):
 
     async def release(self, session: Any) -> None:
         type(self).released.append(session)
+
+
+class HangingRewardTool(Tool):
+    """A session tool whose trajectory reward never comes: CalcReward hangs."""
+
+    schema: ClassVar[dict[str, Any]] = {
+        "name": "hanging_reward",
+        "description": "Never finishes computing its reward.",
+        "parameters": {"type": "object", "properties": {}},
+    }
+    requires_session = True
+
+    async def calc_reward(self, session: Any) -> float:
+        await asyncio.Event().wait()
+        raise AssertionError("the event is never set")

@@ -14,6 +14,7 @@ from tests.tool_svc.probe_tools import EchoTool, SleepTool
 from tool_svc.config import ToolConfig, ToolEntry, ToolLimits
 from tool_svc.server import ToolServicer
 from tool_svc.service import ToolService
+from tool_svc.tools.base import ToolErrorKind
 from turnrl import rpc
 from turnrl.config import ClientConfig, ServerConfig
 from turnrl.errors import ConfigError, ResourceExhaustedError, RpcError
@@ -108,10 +109,36 @@ async def test_timeout_stops_the_call_and_the_service_goes_on():
         assert (await execute(stub, "sleep", {"seconds": 0})).text == "slept 0s"
 
 
-async def test_caller_deadline_bounds_the_call():
+async def test_caller_deadline_bounds_the_call_and_is_not_the_models_timeout():
     async with tool_server(entry(f"{PROBES}:SleepTool", call_timeout_seconds=30)) as stub:
         result = await execute(stub, "sleep", {"seconds": 30}, deadline_seconds=0.5)
-    assert result.error.kind == Kind.KIND_TIMEOUT  # answered before the caller gave up
+    # Answered before the caller gave up, as the system's failure: the tool's own 30 s were
+    # never spent.
+    assert result.error.kind == Kind.KIND_DEADLINE_EXCEEDED
+    assert "caller's deadline" in result.text and "30s limit" in result.text
+
+
+async def test_a_call_cut_short_after_waiting_in_the_queue_is_deadline_exceeded():
+    """The tool's own limit is 1 s and the caller allows 1.2 s: alone, a hung call runs into
+    the tool's limit (the model's TIMEOUT); after 0.6 s in the queue, into the deadline."""
+    config = ToolConfig(
+        tools=[entry(f"{PROBES}:SleepTool", max_concurrency=1, call_timeout_seconds=1.0)]
+    )
+    service = await ToolService.create(config)
+    try:
+        loop = asyncio.get_running_loop()
+        alone = await service.execute("sleep", '{"seconds": 30}', "", loop.time() + 1.2)
+        # Tasks start in order, and the first takes the only slot before it first waits.
+        first = asyncio.create_task(service.execute("sleep", '{"seconds": 0.6}', "", None))
+        queued = asyncio.create_task(
+            service.execute("sleep", '{"seconds": 30}', "", loop.time() + 1.2)
+        )
+        assert (await first).text == "slept 0.6s"
+        cut_short = await queued
+    finally:
+        await service.close()
+    assert alone.error_kind is ToolErrorKind.TIMEOUT and "within 1s" in alone.text
+    assert cut_short.error_kind is ToolErrorKind.DEADLINE_EXCEEDED
 
 
 async def test_parallel_calls_never_exceed_the_concurrency_cap():

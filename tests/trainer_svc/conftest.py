@@ -10,7 +10,9 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from ..conftest import EXAMPLE_CONFIG, FREE_PORTS, SERVICE_NAMES, UP_TABLE_ROW
+from turnrl_cli.up_table import UP_READY_LINE, UP_TABLE_ROW
+
+from ..conftest import EXAMPLE_CONFIG, FREE_PORTS, SERVICE_NAMES
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,9 @@ def model_dir(tmp_path_factory) -> Path:
 def services(example_on_tiny_model, tmp_path_factory) -> dict[str, str]:
     """`turnrl up` with the example config on free ports; yields each service's address."""
     log = (tmp_path_factory.mktemp("up") / "up.log").open("w")
-    up = ["up", "--config", str(EXAMPLE_CONFIG), *FREE_PORTS, *example_on_tiny_model]
+    # Each test's run folder is under pytest's base folder, the trainer's runs root here.
+    runs_root = f"trainer.runs_root={tmp_path_factory.getbasetemp()}"
+    up = ["up", "--config", str(EXAMPLE_CONFIG), *FREE_PORTS, *example_on_tiny_model, runs_root]
     process = subprocess.Popen(
         [sys.executable, "-m", "turnrl_cli", *up],
         stdout=subprocess.PIPE,
@@ -48,7 +52,7 @@ def services(example_on_tiny_model, tmp_path_factory) -> dict[str, str]:
     for line in process.stdout:
         if match := UP_TABLE_ROW.search(line):
             addresses[match.group(1)] = match.group(2)
-        if "Ctrl-C stops them" in line:
+        if UP_READY_LINE in line:
             break
     assert set(addresses) == set(SERVICE_NAMES), Path(log.name).read_text()[-3000:]
     yield addresses

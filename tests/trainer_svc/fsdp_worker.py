@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from trainer_svc.batch import Batch
 from trainer_svc.config import TrainSettings
-from trainer_svc.fsdp import Batch, FsdpPolicy
+from trainer_svc.fsdp import FsdpPolicy
 
 # Small enough for several micro-batches per rank, and a different count on each rank.
 SETTINGS = TrainSettings(learning_rate=1e-3, grad_clip=0.5, micro_batch_tokens=24)

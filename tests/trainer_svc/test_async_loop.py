@@ -7,10 +7,15 @@ import asyncio
 import json
 from pathlib import Path
 
+import pytest
+
 from trainer_svc.ledger import PromptLedger
+from turnrl import rpc
+from turnrl.config import ClientConfig
+from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
 
 from ..conftest import EXAMPLE_CONFIG, FREE_PORTS, kill_tree, spawn_turnrl
-from .runs import run_config, run_to_end
+from .runs import follow, run_config, run_to_end
 
 ASYNC_EXAMPLE = EXAMPLE_CONFIG.parent / "async.yaml"
 
@@ -100,3 +105,49 @@ async def test_an_async_run_killed_mid_step_and_resumed_trains_every_prompt_once
     assert summary["steps"] == 4
     assert sorted(trained_positions(run_dir)) == list(range(8))
     assert [r["step"] for r in step_records(run_dir)][-2:] == [3, 4]
+
+
+@pytest.mark.parametrize(
+    ("bound", "async_loop", "message"),
+    [
+        ("share", {}, "were unusable, more than async_loop.max_unusable_share=0.5"),
+        (
+            "attempts",
+            {"max_unusable_share": 1.0},
+            "came back unusable 3 times (async_loop.max_group_attempts=3)",
+        ),
+    ],
+)
+async def test_an_async_run_whose_groups_are_all_unusable_stops_naming_the_cause(
+    services, tmp_path, bound, async_loop, message
+):
+    # A data_source no scorer serves: every trajectory's scoring fails, so no group is usable.
+    rows = [
+        {
+            "data_source": "no_such_scorer",
+            "prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
+            "reward_model": {"ground_truth": str(i + 1)},
+        }
+        for i in range(8)
+    ]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    name = f"unusable-{bound}"
+    config = run_config(
+        services,
+        tmp_path,
+        run_name=name,
+        loop="async",
+        eval_every=0,
+        data={"train_files": [str(data)]},
+        async_loop=async_loop,
+    )
+    async with rpc.open_channel(ClientConfig(address=services["trainer"])) as channel:
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+        await stub.StartRun(trainer_pb2.StartRunRequest(config_yaml=config), timeout=60)
+        async with asyncio.timeout(300):  # it rolled the groups out again forever
+            await follow(stub, name)
+        run = (await stub.GetRun(trainer_pb2.GetRunRequest(run_name=name), timeout=10)).run
+    assert run.state == trainer_pb2.Run.State.STATE_FAILED
+    assert message in run.error_message
+    assert "unknown data_source 'no_such_scorer'" in run.error_message

@@ -126,6 +126,53 @@ def test_malformed_records_are_config_errors(tmp_path, content, message):
         read_records(path)
 
 
+def prompt_row(messages: list, **extra_info) -> str:
+    row = {"prompt": messages, "reward_model": {"ground_truth": "1"}, "extra_info": extra_info}
+    return json.dumps(row) + "\n"
+
+
+USER = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize(
+    ("content", "field", "bad_value"),
+    [
+        (
+            prompt_row([USER, {"role": "developer", "content": "x"}]),
+            "prompt[1].role",
+            "'developer'",
+        ),
+        (prompt_row([{"role": "user", "content": 5}]), "prompt[0].content", "5"),
+        (
+            prompt_row([{"role": "user", "content": [{"type": "audio"}]}]),
+            "prompt[0].content",
+            "audio",
+        ),
+        (prompt_row(["hi"]), "prompt[0]", "'hi'"),
+        (prompt_row([USER], tools_kwargs={"calculator": 5}), "tools_kwargs.calculator", "5"),
+    ],
+)
+def test_a_malformed_prompt_row_names_its_file_row_and_field(tmp_path, content, field, bad_value):
+    """Rows are checked as they load, so that none fails later, mid-run, when its Generate
+    request is built (the async loop once hung on one)."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text(prompt_row([USER]) + content)
+    with pytest.raises(ConfigError) as info:
+        read_records(path)
+    message = str(info.value)
+    assert f"data file {path}, record bad-1" in message
+    assert f"`{field}`" in message and bad_value in message
+
+
+def test_a_parquet_value_a_prompt_cannot_carry_names_its_field(tmp_path):
+    row = {**VERL_ROWS[1], "extra_info": {"index": 3, "blob": b"\x00"}}
+    pq.write_table(pa.Table.from_pylist([row]), tmp_path / "binary.parquet")
+    with pytest.raises(
+        ConfigError, match=r"record binary-0: `extra_info\.blob` is b'\\x00', a bytes"
+    ):
+        read_records(tmp_path / "binary.parquet")
+
+
 def test_unknown_suffix_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match=r"\.parquet or \.jsonl"):
         read_records(tmp_path / "data.csv")

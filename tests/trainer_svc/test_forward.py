@@ -1,17 +1,22 @@
 """Forward passes that compute each group's shared prefix once equal one forward over whole rows."""
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from tests.trainer_svc.fsdp_worker import SETTINGS, grouped_batch, step_gradients, token_mean_loss
+from trainer_svc.batch import shared_prefix_micro_batch_rows
 from trainer_svc.forward import (
+    entropy_from_logits,
     prefix_levels,
     prefix_units,
     shared_prefix_logprobs,
+    token_logprobs,
     whole_row_logprobs,
 )
-from trainer_svc.fsdp import FsdpPolicy, shared_prefix_micro_batch_rows
+from trainer_svc.fsdp import FsdpPolicy
 
 
 def test_prefix_units_are_each_groups_common_prefix_and_leave_every_row_a_token():
@@ -121,3 +126,29 @@ def test_policy_steps_on_groups_as_on_whole_rows(model_dir):
     for name, gradient in whole_gradients.items():
         torch.testing.assert_close(shared_gradients[name], gradient, atol=1e-6, rtol=1e-4)
     assert shared_metrics == pytest.approx(whole_metrics, abs=1e-5)
+
+
+def test_token_entropy_is_exact_at_large_logits_and_matches_the_plain_formula():
+    # Logits (1, 0, 0) shifted by 1e4 (exact in float32): p = (e, 1, 1) / (e + 2), so
+    # H = ln(e + 2) - e / (e + 2); logsumexp(z) - sum p z loses ~1e-3 of it in float32.
+    exact = math.log(math.e + 2) - math.e / (math.e + 2)
+    logits = torch.tensor([[[1e4 + 1, 1e4, 1e4], [0.0, 0.0, 0.0]]]).requires_grad_()
+    _, entropy = token_logprobs(logits, torch.tensor([[0, 0]]), with_entropy=True)
+    torch.testing.assert_close(entropy, torch.tensor([[0.0, exact]]), atol=1e-6, rtol=0)
+    entropy.sum().backward()
+    assert torch.isfinite(logits.grad).all()
+    # Where the plain formula is precise, the two agree.
+    moderate = torch.randn(2, 5, 11, generator=torch.Generator().manual_seed(0)) * 4
+    plain = moderate.logsumexp(-1) - (moderate.softmax(-1) * moderate).sum(-1)
+    torch.testing.assert_close(entropy_from_logits(moderate), plain, atol=1e-5, rtol=0)
+
+
+def test_entropy_from_logits() -> None:
+    logits = torch.tensor(
+        [[0.0, 0.0, 0.0, 0.0], [math.log(0.5), math.log(0.25), math.log(0.25), -1e9]]
+    )
+    # Uniform over 4: ln 4. (1/2, 1/4, 1/4): 0.5 ln 2 + 2 * 0.25 ln 4 = 1.5 ln 2.
+    torch.testing.assert_close(
+        entropy_from_logits(logits), torch.tensor([math.log(4), 1.5 * math.log(2)])
+    )
+    assert entropy_from_logits(torch.zeros(2, 3, 7)).shape == (2, 3)

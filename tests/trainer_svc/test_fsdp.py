@@ -19,8 +19,9 @@ from tests.trainer_svc.fsdp_worker import (
     step_gradients,
     token_mean_loss,
 )
+from trainer_svc.batch import Batch, micro_batch_rows
 from trainer_svc.config import TrainSettings
-from trainer_svc.fsdp import Batch, FsdpPolicy, lr_factor, micro_batch_rows
+from trainer_svc.fsdp import FsdpPolicy, lr_factor
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 WORKER_TIMEOUT_SECONDS = 120

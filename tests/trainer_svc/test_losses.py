@@ -9,7 +9,6 @@ from torch.testing import assert_close
 from trainer_svc.losses import (
     aggregate,
     behaviour_importance_weights,
-    entropy_from_logits,
     explained_variance,
     importance_weight_metrics,
     kl_estimate,
@@ -257,23 +256,6 @@ def test_explained_variance() -> None:
     assert explained_variance(values, returns, loss_mask) == pytest.approx(1 - 1 / 3.5)
     assert explained_variance(values, torch.ones_like(returns), loss_mask) is None
     assert explained_variance(values, returns, torch.zeros_like(loss_mask)) is None
-
-
-def test_entropy_from_logits() -> None:
-    logits = tensor([[0.0, 0.0, 0.0, 0.0], [math.log(0.5), math.log(0.25), math.log(0.25), -1e9]])
-    # Uniform over 4: ln 4. (1/2, 1/4, 1/4): 0.5 ln 2 + 2 * 0.25 ln 4 = 1.5 ln 2.
-    assert_close(entropy_from_logits(logits), tensor([math.log(4), 1.5 * math.log(2)]))
-    assert entropy_from_logits(torch.zeros(2, 3, 7)).shape == (2, 3)
-
-
-def test_entropy_from_large_logits_is_exact_and_finite() -> None:
-    # Logits (1, 0, 0) shifted by 1e4 (exact in float32): p = (e, 1, 1) / (e + 2),
-    # H = ln(e + 2) - sum p z = ln(e + 2) - e / (e + 2).
-    logits = tensor([[1e4 + 1, 1e4, 1e4], [1e4, 0.0, 0.0]]).requires_grad_()
-    entropy = entropy_from_logits(logits)
-    assert_close(entropy, tensor([math.log(math.e + 2) - math.e / (math.e + 2), 0.0]))
-    entropy.sum().backward()
-    assert torch.isfinite(logits.grad).all()
 
 
 def test_logprob_mismatch() -> None:

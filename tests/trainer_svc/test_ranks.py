@@ -5,6 +5,8 @@ until it stops."""
 
 import asyncio
 import contextlib
+import json
+import math
 import os
 import signal
 import sys
@@ -121,6 +123,26 @@ async def test_each_rank_forwards_its_share_and_every_rank_gets_the_whole_batch(
             assert all(set(tokens) == share for tokens in seen.values()), (rank, name)
             if len(rows) > RANKS:  # one pass of the reference's and the critic's
                 assert len(seen["reference"]) == len(seen["critic"]) < len(rows)
+
+
+async def test_a_call_that_fails_on_one_rank_fails_on_every_rank_with_its_error(
+    model_dir, tmp_path
+):
+    # The process group's timeout is 30 minutes: each failure ends its call within seconds.
+    out_file = tmp_path / "results.json"
+    args = ["tests.trainer_svc.rank_failure_worker", str(model_dir), str(out_file)]
+    async with launched_ranks(tmp_path, *args) as ranks:
+        assert await exit_codes(ranks) == [0] * RANKS, logs(tmp_path)
+    results = json.loads(out_file.read_text())
+    on_rank_1, on_rank_0 = results["failing on rank 1"], results["failing on rank 0"]
+    assert on_rank_1["error"] == (
+        "RankFailedError: trainer rank 1 failed: MemoryError: out of memory on rank 1's share"
+    )
+    assert on_rank_0["error"] == "MemoryError: out of memory on rank 0's share"
+    assert on_rank_1["seconds"] < 30 and on_rank_0["seconds"] < 30
+    # Rank 1 logged rank 0's failure as its call's; both went on to a step with new models.
+    assert "RankFailedError: trainer rank 0 failed: MemoryError" in logs(tmp_path)
+    assert math.isfinite(results["after"]["loss"])
 
 
 async def test_ranks_started_by_a_launcher_serve_and_follow_until_rank_0_stops(tmp_path):

@@ -84,3 +84,16 @@ def test_the_ledger_records_steps_and_rewinds_to_a_checkpoint(tmp_path):
     ledger.rewind(2)
     assert ledger.settled() == {"trained": ["0:a", "1:b", "2:c"], "filtered": ["3:d"]}
     PromptLedger(tmp_path / "nothing").rewind(5)  # no ledger yet: nothing to do
+
+
+def test_an_unusable_group_says_why_each_trajectory_left_the_loss():
+    failed_rewards = [trajectory(index, 0.0, reward_error=True) for index in (0, 1)]
+    for failed in failed_rewards:
+        failed.reward.error_message = "unknown data_source 'x'"
+    aborted = trajectory(2, 1.0, finish=FinishReason.ABORTED)
+    aborted.error_message = "the engine went away"
+    unusable = group(3, aborted, *failed_rewards)
+    assert ReplayBuffer(dynamic_sampling=False).add(unusable) is Admission.UNUSABLE
+    assert unusable.why_unusable() == (
+        "2 x scoring failed: unknown data_source 'x'; 1 x aborted: the engine went away"
+    )

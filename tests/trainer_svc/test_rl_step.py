@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from trainer_svc.batch import Batch
 from trainer_svc.config import AlgorithmConfig, CriticConfig
-from trainer_svc.fsdp import Batch
 from trainer_svc.losses import policy_loss, value_loss
 from trainer_svc.rl_step import (
     accurate,

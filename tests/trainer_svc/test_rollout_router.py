@@ -100,6 +100,62 @@ async def test_a_killed_replica_has_its_groups_dispatched_again(tiny_model_dir):
     assert not router.replicas[1].live
 
 
+@pytest.mark.timeout(600)  # three rollout services start, one after the other
+async def test_a_replica_killed_after_part_of_its_group_came_back_is_counted_empty(
+    tiny_model_dir,
+):
+    # Replica 1 dies once some of its group's four trajectories are back: they are dropped
+    # with their group, which goes to replica 0; back at its address, replica 1 has nothing
+    # in flight and takes its share of the next request.
+    port = free_port()
+    async with (
+        rollout_settings(tiny_model_dir) as settings,
+        serve_subprocess("rollout", *settings) as first,
+        contextlib.AsyncExitStack() as stack,
+    ):
+        second = await stack.enter_async_context(serve_subprocess("rollout", *settings, port=port))
+        router = RolloutRouter(
+            ClientConfig(address=f"{first.address},{second.address}"), no_catch_up
+        )
+        try:
+            call = asyncio.create_task(
+                router.generate(request(2, 4, max_new_tokens=256), timeout_seconds=300)
+            )
+            async with asyncio.timeout(240):  # until the first of its group is back
+                while router.replicas[1].in_flight == 4:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+            os.kill(second.process.pid, signal.SIGKILL)
+            trajectories = await call
+            assert [r.in_flight for r in router.replicas] == [0, 0]
+            await stack.enter_async_context(serve_subprocess("rollout", *settings, port=port))
+            async with asyncio.timeout(120):  # its channel connects again after a back-off
+                while len(await router.members_for_push()) < 2:  # noqa: ASYNC110
+                    await asyncio.sleep(1.0)
+            before = [r.trajectories for r in router.replicas]
+            await router.generate(request(2, 1), timeout_seconds=300)
+        finally:
+            await router.close()
+    assert sorted(t.trajectory_id for t in trajectories) == [
+        f"p{i}/{j}" for i in (0, 1) for j in range(4)
+    ]
+    assert router.redispatched_groups == 1
+    # Equal load again: one group each.
+    assert [r.trajectories - b for r, b in zip(router.replicas, before, strict=True)] == [1, 1]
+    assert [r.in_flight for r in router.replicas] == [0, 0]
+
+
+async def test_with_every_replica_lost_a_request_waits_no_longer_than_its_deadline():
+    unreachable = "127.0.0.1:1"  # nothing listens on port 1
+    router = RolloutRouter(ClientConfig(address=unreachable), no_catch_up)  # waits up to 180 s
+    router.lose(unreachable, lost(unreachable))
+    try:
+        async with asyncio.timeout(60):
+            with pytest.raises(errors.DeadlineExceededError, match=r"deadline of 2s"):
+                await router.generate(request(1, 1), timeout_seconds=2)
+    finally:
+        await router.close()
+
+
 async def no_catch_up(replica) -> None:
     raise AssertionError(f"{replica.address} was not lost")
 
@@ -199,7 +255,9 @@ async def test_a_run_goes_on_without_a_killed_replica_which_rejoins_at_a_push(
     async with (
         rollout_settings(tiny_model_dir) as settings,
         serve_subprocess("rollout", *settings) as first,
-        serve_subprocess("trainer", f"trainer.model_path={tiny_model_dir}") as trainer,
+        serve_subprocess(
+            "trainer", f"trainer.model_path={tiny_model_dir}", f"trainer.runs_root={tmp_path}"
+        ) as trainer,
         contextlib.AsyncExitStack() as stack,
     ):
         second = await stack.enter_async_context(serve_subprocess("rollout", *settings, port=port))

@@ -58,16 +58,16 @@ class ScriptedLoop(RunLoop):
         pass
 
     async def _checkpoint(self) -> None:
-        await self._save_checkpoint({})
+        await self._save_checkpoint({}, {})
 
     def _summary(self, wall_seconds: float) -> dict:
         return {}
 
 
 @pytest.fixture
-def service(monkeypatch) -> TrainerService:
+def service(monkeypatch, tmp_path) -> TrainerService:
     monkeypatch.setitem(service_module.LOOPS, "sync", ScriptedLoop)
-    return TrainerService(Ranks(), model_path="unused-model")
+    return TrainerService(Ranks(), model_path="unused-model", runs_root=tmp_path)
 
 
 def config_yaml(output_dir: Path, **trainer) -> str:
@@ -159,6 +159,30 @@ async def test_unknown_and_existing_runs(service, tmp_path):
     record = await service.start_run(config_yaml(tmp_path), "taken", resume=True)
     record.controller.allow(2)
     assert [e async for e in service.stream_progress("taken")][-1].state == RunState.SUCCEEDED
+
+
+async def test_a_run_is_confined_to_the_runs_root_the_service_was_started_with(
+    service, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    confined = TrainerService(Ranks(), model_path="unused-model", runs_root=Path("runs"))
+    outside = tmp_path / "elsewhere"
+    with pytest.raises(errors.InvalidArgumentError) as info:
+        await confined.start_run(config_yaml(outside), "escape", resume=False)
+    assert str(outside / "escape") in str(info.value) and str(tmp_path / "runs") in str(info.value)
+    # A link inside the root that leads out of it is outside too.
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "link").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(errors.InvalidArgumentError, match="runs root"):
+        await confined.start_run(config_yaml(tmp_path / "runs" / "link"), "escape", resume=False)
+    with pytest.raises(errors.InvalidArgumentError, match="runs root"):
+        await confined.start_run(config_yaml(Path("runs/..")), "escape", resume=False)
+    assert not outside.exists() and not (tmp_path / "escape").exists()
+    # The default trainer.output_dir, runs/, relative to the service's folder, is inside.
+    record = await confined.start_run(config_yaml(Path("runs")), "inside", resume=False)
+    assert record.output_dir == tmp_path / "runs" / "inside"
+    record.controller.allow(2)
+    assert [e async for e in confined.stream_progress("inside")][-1].state == RunState.SUCCEEDED
 
 
 async def test_the_servicer_converts_runs_and_events(service, tmp_path):

@@ -85,10 +85,10 @@ def test_conversations_that_do_not_fit_are_named(tiny_model_dir):
 
 
 @contextlib.asynccontextmanager
-async def trainer_stub(model_path: str | None = None):
-    """A real TrainerService server in this event loop, started with `model_path`, and a stub
-    on a channel to it."""
-    service = TrainerService(Ranks(), model_path)
+async def trainer_stub(runs_root: Path, model_path: str | None = None):
+    """A real TrainerService server in this event loop, started with `runs_root` and
+    `model_path`, and a stub on a channel to it."""
+    service = TrainerService(Ranks(), model_path, runs_root=runs_root)
     descriptor = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"]
 
     def add_servicer(server):
@@ -125,7 +125,7 @@ async def test_a_run_without_a_model_trains_the_one_the_service_was_started_with
     assert demo_model != str(build_tiny_model())
     config = sft_config_yaml(tmp_path, run_name="served-model", steps=1)
     assert "model_path" not in config
-    async with trainer_stub(demo_model) as stub:
+    async with trainer_stub(tmp_path, demo_model) as stub:
         _, run, events = await run_to_end(stub, config)
     assert run.state == trainer_pb2.Run.State.STATE_SUCCEEDED, run.error_message
     setup = next(event for event in events if event.stage == "setup")
@@ -138,7 +138,7 @@ async def test_an_sft_run_of_one_epoch_logs_evaluates_checkpoints_and_exports(
     config = sft_config_yaml(
         tmp_path, run_name="epoch", sft={"conversations_per_step": 4, "epochs": 1}
     )
-    async with trainer_stub(str(tiny_model_dir)) as stub:
+    async with trainer_stub(tmp_path, str(tiny_model_dir)) as stub:
         started, run, events = await run_to_end(stub, config)
     assert started.total_steps == 0  # an epoch's steps are counted from the data, at setup
     assert run.state == State.STATE_SUCCEEDED, run.error_message
@@ -164,8 +164,9 @@ async def test_an_sft_run_of_one_epoch_logs_evaluates_checkpoints_and_exports(
     assert (run_dir / "curves.png").read_bytes().startswith(b"\x89PNG")
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "final_model")
     AutoTokenizer.from_pretrained(run_dir / "final_model")
-    state = torch.load(run_dir / "checkpoints" / "step_000003" / "state.pt", weights_only=False)
-    assert state["data_position"] == 12
+    checkpoint = run_dir / "checkpoints" / "step_000003"
+    state = torch.load(checkpoint / "state.pt", weights_only=True)
+    assert json.loads((checkpoint / "state.json").read_text())["data_position"] == 12
     for name, tensor in exported.state_dict().items():
         torch.testing.assert_close(tensor, state["policy"]["model"][name], rtol=0, atol=0)
 
@@ -179,7 +180,7 @@ async def test_an_sft_run_of_one_epoch_logs_evaluates_checkpoints_and_exports(
     ],
 )
 async def test_bad_sft_configs_are_invalid_arguments(tmp_path, trainer, message):
-    async with trainer_stub() as stub:
+    async with trainer_stub(tmp_path) as stub:
         with pytest.raises(InvalidArgumentError) as info:
             config = sft_config_yaml(tmp_path, **trainer)
             await stub.StartRun(trainer_pb2.StartRunRequest(config_yaml=config), timeout=30)
@@ -192,7 +193,7 @@ async def test_bad_sft_data_fails_the_run_naming_the_conversation(tiny_model_dir
     bad = {"messages": [{"role": "user", "content": "Hi"}, *good["messages"][1:] * 2]}
     data.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
     config = sft_config_yaml(tmp_path, data={"train_files": [str(data)]})
-    async with trainer_stub(str(tiny_model_dir)) as stub:
+    async with trainer_stub(tmp_path, str(tiny_model_dir)) as stub:
         _, run, _ = await run_to_end(stub, config)
     assert run.state == State.STATE_FAILED
     assert "conversation chats-1: two assistant messages in a row" in run.error_message
@@ -235,7 +236,7 @@ async def test_a_run_without_any_model_is_refused_naming_trainer_model_path(tmp_
     """No service builds the tiny model for itself: StartRun refuses a run that names no model
     on a service started without one."""
     config = sft_config_yaml(tmp_path, run_name="no-model", steps=1)
-    async with trainer_stub() as stub:
+    async with trainer_stub(tmp_path) as stub:
         with pytest.raises(InvalidArgumentError, match=r"trainer\.model_path is null"):
             await stub.StartRun(trainer_pb2.StartRunRequest(config_yaml=config), timeout=30)
     assert not (tmp_path / "no-model").exists()

@@ -65,7 +65,7 @@ async def test_a_run_trains_evaluates_pushes_checkpoints_and_exports(services, t
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "rollout/reward_mean" in r] == [1, 2]
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "final_model")
-    state = torch.load(run_dir / "checkpoints" / "step_000002" / "state.pt", weights_only=False)
+    state = torch.load(run_dir / "checkpoints" / "step_000002" / "state.pt", weights_only=True)
     for name, tensor in exported.state_dict().items():
         torch.testing.assert_close(tensor, state["policy"]["model"][name], rtol=0, atol=0)
 
@@ -87,7 +87,7 @@ async def test_a_gae_run_trains_a_critic_checkpoints_it_and_resumes_with_it(serv
             run = (await stub.GetRun(trainer_pb2.GetRunRequest(run_name="gae"), timeout=10)).run
             assert run.state == State.STATE_SUCCEEDED and run.step == steps, run.error_message
             if not resume:
-                state = torch.load(checkpoint, weights_only=False)
+                state = torch.load(checkpoint, weights_only=True)
 
     run_dir = Path(run.output_dir)
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -157,6 +157,8 @@ async def test_turnrl_run_submits_to_services_already_running(services, tmp_path
         ({"run_name": "nope"}, "NOT_FOUND", "no run 'nope'"),
         ({"config_yaml": "trainer: {stpes: 1}"}, "INVALID_ARGUMENT", "stpes"),
         ({"config_yaml": "[1, 2"}, "INVALID_ARGUMENT", "not YAML"),
+        # The client names the folder; the service writes only inside its own runs root.
+        ({"config_yaml": "trainer: {output_dir: /}"}, "INVALID_ARGUMENT", "runs root"),
     ],
 )
 async def test_bad_requests(services, request_fields, status, message):
@@ -188,7 +190,12 @@ async def test_a_two_rank_trainer_service_trains_as_one_rank_does(
     # `turnrl serve trainer` with trainer.ranks=2 becomes torchrun with two ranks: rank 0 serves
     # and drives, rank 1 follows its model calls. Same run, same rollouts: the same step; and
     # the same for an SFT step and for a PPO step with its critic.
-    served = serve_subprocess("trainer", "trainer.ranks=2", f"trainer.model_path={tiny_model_dir}")
+    served = serve_subprocess(
+        "trainer",
+        "trainer.ranks=2",
+        f"trainer.model_path={tiny_model_dir}",
+        f"trainer.runs_root={tmp_path}",
+    )
     sft = {"mode": "sft", "sft": {"conversations_per_step": 8, "max_length": 1024}}
     gae = {
         "algorithm": {"advantage_estimator": "gae", "gae_lambda": 0.95},

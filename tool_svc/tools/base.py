@@ -30,6 +30,7 @@ class ToolErrorKind(enum.StrEnum):
     TOO_LARGE = "TOO_LARGE"
     UNAVAILABLE = "UNAVAILABLE"
     INTERNAL = "INTERNAL"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
 
 
 class ToolCallError(Exception):

@@ -26,7 +26,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from turnrl.v1 import common_pb2 as turnrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16turnrl/v1/reward.proto\x12\tturnrl.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x16turnrl/v1/common.proto\"\xbb\x01\n\x0cScoringInput\x12\x13\n\x0b\x64\x61ta_source\x18\x01 \x01(\t\x12\x15\n\rresponse_text\x18\x02 \x01(\t\x12$\n\x08messages\x18\x03 \x03(\x0b\x32\x12.turnrl.v1.Message\x12,\n\x0cground_truth\x18\x04 \x01(\x0b\x32\x16.google.protobuf.Value\x12+\n\nextra_info\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\"[\n\rScoringResult\x12!\n\x06reward\x18\x01 \x01(\x0b\x32\x11.turnrl.v1.Reward\x12\x0e\n\x06scorer\x18\x02 \x01(\t\x12\x17\n\x0f\x65lapsed_seconds\x18\x03 \x01(\x01\"Y\n\nScorerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x64\x61ta_sources\x18\x02 \x03(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12\x12\n\ngenerative\x18\x04 \x01(\x08\"6\n\x0cScoreRequest\x12&\n\x05input\x18\x01 \x01(\x0b\x32\x17.turnrl.v1.ScoringInput\"9\n\rScoreResponse\x12(\n\x06result\x18\x01 \x01(\x0b\x32\x18.turnrl.v1.ScoringResult\"L\n\x11ScoreBatchRequest\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12&\n\x05input\x18\x02 \x01(\x0b\x32\x17.turnrl.v1.ScoringInput\"O\n\x12ScoreBatchResponse\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12(\n\x06result\x18\x02 \x01(\x0b\x32\x18.turnrl.v1.ScoringResult\"\x14\n\x12ListScorersRequest\"=\n\x13ListScorersResponse\x12&\n\x07scorers\x18\x01 \x03(\x0b\x32\x15.turnrl.v1.ScorerInfo2\xe8\x01\n\rRewardService\x12:\n\x05Score\x12\x17.turnrl.v1.ScoreRequest\x1a\x18.turnrl.v1.ScoreResponse\x12M\n\nScoreBatch\x12\x1c.turnrl.v1.ScoreBatchRequest\x1a\x1d.turnrl.v1.ScoreBatchResponse(\x01\x30\x01\x12L\n\x0bListScorers\x12\x1d.turnrl.v1.ListScorersRequest\x1a\x1e.turnrl.v1.ListScorersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16turnrl/v1/reward.proto\x12\tturnrl.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x16turnrl/v1/common.proto\"\xbb\x01\n\x0cScoringInput\x12\x13\n\x0b\x64\x61ta_source\x18\x01 \x01(\t\x12\x15\n\rresponse_text\x18\x02 \x01(\t\x12$\n\x08messages\x18\x03 \x03(\x0b\x32\x12.turnrl.v1.Message\x12,\n\x0cground_truth\x18\x04 \x01(\x0b\x32\x16.google.protobuf.Value\x12+\n\nextra_info\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\"\xd6\x02\n\rScoringResult\x12!\n\x06reward\x18\x01 \x01(\x0b\x32\x11.turnrl.v1.Reward\x12\x0e\n\x06scorer\x18\x02 \x01(\t\x12\x17\n\x0f\x65lapsed_seconds\x18\x03 \x01(\x01\x12\x31\n\x07\x66\x61ilure\x18\x04 \x01(\x0e\x32 .turnrl.v1.ScoringResult.Failure\"\xc5\x01\n\x07\x46\x61ilure\x12\x17\n\x13\x46\x41ILURE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x46\x41ILURE_RESPONSE_TOO_LARGE\x10\x01\x12%\n!FAILURE_SCORER_FAILED_ON_RESPONSE\x10\x02\x12\x19\n\x15\x46\x41ILURE_SCORER_BROKEN\x10\x03\x12\x1e\n\x1a\x46\x41ILURE_SCORER_UNAVAILABLE\x10\x04\x12\x1f\n\x1b\x46\x41ILURE_UNKNOWN_DATA_SOURCE\x10\x05\"Y\n\nScorerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x64\x61ta_sources\x18\x02 \x03(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12\x12\n\ngenerative\x18\x04 \x01(\x08\"6\n\x0cScoreRequest\x12&\n\x05input\x18\x01 \x01(\x0b\x32\x17.turnrl.v1.ScoringInput\"9\n\rScoreResponse\x12(\n\x06result\x18\x01 \x01(\x0b\x32\x18.turnrl.v1.ScoringResult\"L\n\x11ScoreBatchRequest\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12&\n\x05input\x18\x02 \x01(\x0b\x32\x17.turnrl.v1.ScoringInput\"O\n\x12ScoreBatchResponse\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12(\n\x06result\x18\x02 \x01(\x0b\x32\x18.turnrl.v1.ScoringResult\"\x14\n\x12ListScorersRequest\"=\n\x13ListScorersResponse\x12&\n\x07scorers\x18\x01 \x03(\x0b\x32\x15.turnrl.v1.ScorerInfo2\xe8\x01\n\rRewardService\x12:\n\x05Score\x12\x17.turnrl.v1.ScoreRequest\x1a\x18.turnrl.v1.ScoreResponse\x12M\n\nScoreBatch\x12\x1c.turnrl.v1.ScoreBatchRequest\x1a\x1d.turnrl.v1.ScoreBatchResponse(\x01\x30\x01\x12L\n\x0bListScorers\x12\x1d.turnrl.v1.ListScorersRequest\x1a\x1e.turnrl.v1.ListScorersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,22 +35,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SCORINGINPUT']._serialized_start=92
   _globals['_SCORINGINPUT']._serialized_end=279
-  _globals['_SCORINGRESULT']._serialized_start=281
-  _globals['_SCORINGRESULT']._serialized_end=372
-  _globals['_SCORERINFO']._serialized_start=374
-  _globals['_SCORERINFO']._serialized_end=463
-  _globals['_SCOREREQUEST']._serialized_start=465
-  _globals['_SCOREREQUEST']._serialized_end=519
-  _globals['_SCORERESPONSE']._serialized_start=521
-  _globals['_SCORERESPONSE']._serialized_end=578
-  _globals['_SCOREBATCHREQUEST']._serialized_start=580
-  _globals['_SCOREBATCHREQUEST']._serialized_end=656
-  _globals['_SCOREBATCHRESPONSE']._serialized_start=658
-  _globals['_SCOREBATCHRESPONSE']._serialized_end=737
-  _globals['_LISTSCORERSREQUEST']._serialized_start=739
-  _globals['_LISTSCORERSREQUEST']._serialized_end=759
-  _globals['_LISTSCORERSRESPONSE']._serialized_start=761
-  _globals['_LISTSCORERSRESPONSE']._serialized_end=822
-  _globals['_REWARDSERVICE']._serialized_start=825
-  _globals['_REWARDSERVICE']._serialized_end=1057
+  _globals['_SCORINGRESULT']._serialized_start=282
+  _globals['_SCORINGRESULT']._serialized_end=624
+  _globals['_SCORINGRESULT_FAILURE']._serialized_start=427
+  _globals['_SCORINGRESULT_FAILURE']._serialized_end=624
+  _globals['_SCORERINFO']._serialized_start=626
+  _globals['_SCORERINFO']._serialized_end=715
+  _globals['_SCOREREQUEST']._serialized_start=717
+  _globals['_SCOREREQUEST']._serialized_end=771
+  _globals['_SCORERESPONSE']._serialized_start=773
+  _globals['_SCORERESPONSE']._serialized_end=830
+  _globals['_SCOREBATCHREQUEST']._serialized_start=832
+  _globals['_SCOREBATCHREQUEST']._serialized_end=908
+  _globals['_SCOREBATCHRESPONSE']._serialized_start=910
+  _globals['_SCOREBATCHRESPONSE']._serialized_end=989
+  _globals['_LISTSCORERSREQUEST']._serialized_start=991
+  _globals['_LISTSCORERSREQUEST']._serialized_end=1011
+  _globals['_LISTSCORERSRESPONSE']._serialized_start=1013
+  _globals['_LISTSCORERSRESPONSE']._serialized_end=1074
+  _globals['_REWARDSERVICE']._serialized_start=1077
+  _globals['_REWARDSERVICE']._serialized_end=1309
 # @@protoc_insertion_point(module_scope)

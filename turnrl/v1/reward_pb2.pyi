@@ -11,6 +11,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from turnrl.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -79,13 +80,73 @@ class ScoringResult(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    class _Failure:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _FailureEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[ScoringResult._Failure.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        FAILURE_UNSPECIFIED: ScoringResult._Failure.ValueType  # 0
+        """Not set: the scorer gave its verdict."""
+        FAILURE_RESPONSE_TOO_LARGE: ScoringResult._Failure.ValueType  # 1
+        """The model's: the response is larger than the service's `max_response_bytes`.
+        Scored `error_score`; `reward.error` unset.
+        """
+        FAILURE_SCORER_FAILED_ON_RESPONSE: ScoringResult._Failure.ValueType  # 2
+        """The model's: the scorer raised, ran past its time or killed its process on
+        this response, and graded the ground truth alone without failing. Scored
+        `error_score`; `reward.error` unset.
+        """
+        FAILURE_SCORER_BROKEN: ScoringResult._Failure.ValueType  # 3
+        """The system's: the scorer failed on the ground truth alone too (a scorer bug,
+        or a ground truth it cannot read). `reward.error` set.
+        """
+        FAILURE_SCORER_UNAVAILABLE: ScoringResult._Failure.ValueType  # 4
+        """The system's: a service the scorer waits on (an LLM judge, the tool
+        service's sandbox) failed or could not be reached. `reward.error` set.
+        """
+        FAILURE_UNKNOWN_DATA_SOURCE: ScoringResult._Failure.ValueType  # 5
+        """The system's: no scorer serves the `data_source` (ScoreBatch; Score answers
+        INVALID_ARGUMENT). `reward.error` set.
+        """
+
+    class Failure(_Failure, metaclass=_FailureEnumTypeWrapper):
+        """Why an item could not be graded, and whose fault that is."""
+
+    FAILURE_UNSPECIFIED: ScoringResult.Failure.ValueType  # 0
+    """Not set: the scorer gave its verdict."""
+    FAILURE_RESPONSE_TOO_LARGE: ScoringResult.Failure.ValueType  # 1
+    """The model's: the response is larger than the service's `max_response_bytes`.
+    Scored `error_score`; `reward.error` unset.
+    """
+    FAILURE_SCORER_FAILED_ON_RESPONSE: ScoringResult.Failure.ValueType  # 2
+    """The model's: the scorer raised, ran past its time or killed its process on
+    this response, and graded the ground truth alone without failing. Scored
+    `error_score`; `reward.error` unset.
+    """
+    FAILURE_SCORER_BROKEN: ScoringResult.Failure.ValueType  # 3
+    """The system's: the scorer failed on the ground truth alone too (a scorer bug,
+    or a ground truth it cannot read). `reward.error` set.
+    """
+    FAILURE_SCORER_UNAVAILABLE: ScoringResult.Failure.ValueType  # 4
+    """The system's: a service the scorer waits on (an LLM judge, the tool
+    service's sandbox) failed or could not be reached. `reward.error` set.
+    """
+    FAILURE_UNKNOWN_DATA_SOURCE: ScoringResult.Failure.ValueType  # 5
+    """The system's: no scorer serves the `data_source` (ScoreBatch; Score answers
+    INVALID_ARGUMENT). `reward.error` set.
+    """
+
     REWARD_FIELD_NUMBER: _builtins.int
     SCORER_FIELD_NUMBER: _builtins.int
     ELAPSED_SECONDS_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
     scorer: _builtins.str
     """Name of the scorer that produced it."""
     elapsed_seconds: _builtins.float
     """Time spent scoring, in seconds."""
+    failure: Global___ScoringResult.Failure.ValueType
+    """Why the item could not be graded; unset when the scorer gave its verdict."""
     @_builtins.property
     def reward(self) -> _common_pb2.Reward:
         """The reward."""
@@ -96,10 +157,11 @@ class ScoringResult(_message.Message):
         reward: _common_pb2.Reward | None = ...,
         scorer: _builtins.str = ...,
         elapsed_seconds: _builtins.float = ...,
+        failure: Global___ScoringResult.Failure.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reward", b"reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_seconds", b"elapsed_seconds", "reward", b"reward", "scorer", b"scorer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_seconds", b"elapsed_seconds", "failure", b"failure", "reward", b"reward", "scorer", b"scorer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -26,8 +26,10 @@ if _version_not_supported:
 
 
 class RewardServiceStub:
-    """Scores responses. A scorer that raises or runs past its time yields a result
-    with `error` set and the configured default score; the RPC itself succeeds.
+    """Scores responses. An item that could not be graded still gets a result, with
+    `failure` saying why and `reward.score` the configured `error_score`; the RPC
+    itself succeeds. Whose fault a failure is (turnrl/failures.py) decides
+    `reward.error`: set only for the system's failures, which stay out of training.
     """
 
     def __init__(self, channel):
@@ -54,8 +56,10 @@ class RewardServiceStub:
 
 
 class RewardServiceServicer:
-    """Scores responses. A scorer that raises or runs past its time yields a result
-    with `error` set and the configured default score; the RPC itself succeeds.
+    """Scores responses. An item that could not be graded still gets a result, with
+    `failure` saying why and `reward.score` the configured `error_score`; the RPC
+    itself succeeds. Whose fault a failure is (turnrl/failures.py) decides
+    `reward.error`: set only for the system's failures, which stay out of training.
     """
 
     def Score(self, request, context):
@@ -111,8 +115,10 @@ def add_RewardServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class RewardService:
-    """Scores responses. A scorer that raises or runs past its time yields a result
-    with `error` set and the configured default score; the RPC itself succeeds.
+    """Scores responses. An item that could not be graded still gets a result, with
+    `failure` saying why and `reward.score` the configured `error_score`; the RPC
+    itself succeeds. Whose fault a failure is (turnrl/failures.py) decides
+    `reward.error`: set only for the system's failures, which stay out of training.
     """
 
     @staticmethod

@@ -30,8 +30,10 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class RewardServiceStub:
-    """Scores responses. A scorer that raises or runs past its time yields a result
-    with `error` set and the configured default score; the RPC itself succeeds.
+    """Scores responses. An item that could not be graded still gets a result, with
+    `failure` saying why and `reward.score` the configured `error_score`; the RPC
+    itself succeeds. Whose fault a failure is (turnrl/failures.py) decides
+    `reward.error`: set only for the system's failures, which stay out of training.
     """
 
     @_typing.overload
@@ -54,8 +56,10 @@ class RewardServiceStub:
 
 @_typing.type_check_only
 class RewardServiceAsyncStub(RewardServiceStub):
-    """Scores responses. A scorer that raises or runs past its time yields a result
-    with `error` set and the configured default score; the RPC itself succeeds.
+    """Scores responses. An item that could not be graded still gets a result, with
+    `failure` saying why and `reward.score` the configured `error_score`; the RPC
+    itself succeeds. Whose fault a failure is (turnrl/failures.py) decides
+    `reward.error`: set only for the system's failures, which stay out of training.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -74,8 +78,10 @@ class RewardServiceAsyncStub(RewardServiceStub):
     """Lists the scorers this service serves."""
 
 class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
-    """Scores responses. A scorer that raises or runs past its time yields a result
-    with `error` set and the configured default score; the RPC itself succeeds.
+    """Scores responses. An item that could not be graded still gets a result, with
+    `failure` saying why and `reward.score` the configured `error_score`; the RPC
+    itself succeeds. Whose fault a failure is (turnrl/failures.py) decides
+    `reward.error`: set only for the system's failures, which stay out of training.
     """
 
     @_abc_1.abstractmethod

@@ -749,6 +749,7 @@ class GetStatsResponse(_message.Message):
     UPTIME_FIELD_NUMBER: _builtins.int
     METRICS_FIELD_NUMBER: _builtins.int
     WEIGHT_SYNC_RANKS_FIELD_NUMBER: _builtins.int
+    WEIGHTS_INCOMPLETE_REASON_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     """Engine name, such as "hf" or "sglang"."""
     policy_version: _builtins.int
@@ -766,6 +767,13 @@ class GetStatsResponse(_message.Message):
     weight_sync_ranks: _builtins.int
     """Ranks this replica joins a weight-sync group with (InitWeightSync): 1 for an engine in
     the service's process, the server's tensor-parallel size for SGLang.
+    """
+    weights_incomplete_reason: _builtins.str
+    """Empty while the engine's weights are all of one version. After a weight update broke
+    off part-way (its sender died, a bucket failed, the group timed out) and the engine
+    resumed: why Generate returns FAILED_PRECONDITION, naming the update's version and how to
+    recover (push again, or restart the service to reload its model). A complete
+    UpdateWeights or PushWeights clears it.
     """
     @_builtins.property
     def uptime(self) -> _duration_pb2.Duration:
@@ -790,10 +798,11 @@ class GetStatsResponse(_message.Message):
         uptime: _duration_pb2.Duration | None = ...,
         metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         weight_sync_ranks: _builtins.int = ...,
+        weights_incomplete_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["uptime", b"uptime"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "finished_trajectories", b"finished_trajectories", "generated_tokens", b"generated_tokens", "metrics", b"metrics", "paused", b"paused", "policy_version", b"policy_version", "running_trajectories", b"running_trajectories", "uptime", b"uptime", "waiting_trajectories", b"waiting_trajectories", "weight_sync_ranks", b"weight_sync_ranks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "finished_trajectories", b"finished_trajectories", "generated_tokens", b"generated_tokens", "metrics", b"metrics", "paused", b"paused", "policy_version", b"policy_version", "running_trajectories", b"running_trajectories", "uptime", b"uptime", "waiting_trajectories", b"waiting_trajectories", "weight_sync_ranks", b"weight_sync_ranks", "weights_incomplete_reason", b"weights_incomplete_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

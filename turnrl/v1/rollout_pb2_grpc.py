@@ -87,7 +87,10 @@ class RolloutServiceServicer:
         """Rolls out `n` samples of every prompt and streams each trajectory back as
         soon as it finishes (no barrier across trajectories).
         Returns INVALID_ARGUMENT for an empty prompt list, an UNSPECIFIED role, or
-        limits that contradict each other; FAILED_PRECONDITION while shut down.
+        limits that contradict each other; FAILED_PRECONDITION while shut down, or
+        while the engine's weights are incomplete after a broken weight update
+        (GetStatsResponse.weights_incomplete_reason); trajectories in flight when
+        it broke end with FINISH_REASON_ERROR.
         Trajectories aborted with Abort stream back with FINISH_REASON_ABORTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -128,9 +131,10 @@ class RolloutServiceServicer:
     def UpdateWeights(self, request, context):
         """Receives one weight update over the group from InitWeightSync: the trainer
         broadcasts `tensors` in order, in buckets; the engine loads them and bumps
-        its policy version. Returns FAILED_PRECONDITION when no group is set up or
-        `policy_version` is not newer than the engine's; INVALID_ARGUMENT for an
-        unknown parameter name or a shape that does not match.
+        its policy version. Returns FAILED_PRECONDITION when no group is set up,
+        `policy_version` is not newer than the engine's, or the broadcast breaks
+        off part-way (the engine then refuses Generate until a complete update);
+        INVALID_ARGUMENT for an unknown parameter name or a shape that does not match.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -43,7 +43,10 @@ class RolloutServiceStub:
     """Rolls out `n` samples of every prompt and streams each trajectory back as
     soon as it finishes (no barrier across trajectories).
     Returns INVALID_ARGUMENT for an empty prompt list, an UNSPECIFIED role, or
-    limits that contradict each other; FAILED_PRECONDITION while shut down.
+    limits that contradict each other; FAILED_PRECONDITION while shut down, or
+    while the engine's weights are incomplete after a broken weight update
+    (GetStatsResponse.weights_incomplete_reason); trajectories in flight when
+    it broke end with FINISH_REASON_ERROR.
     Trajectories aborted with Abort stream back with FINISH_REASON_ABORTED.
     """
     Abort: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.AbortRequest, _rollout_pb2.AbortResponse]
@@ -62,9 +65,10 @@ class RolloutServiceStub:
     UpdateWeights: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.UpdateWeightsRequest, _rollout_pb2.UpdateWeightsResponse]
     """Receives one weight update over the group from InitWeightSync: the trainer
     broadcasts `tensors` in order, in buckets; the engine loads them and bumps
-    its policy version. Returns FAILED_PRECONDITION when no group is set up or
-    `policy_version` is not newer than the engine's; INVALID_ARGUMENT for an
-    unknown parameter name or a shape that does not match.
+    its policy version. Returns FAILED_PRECONDITION when no group is set up,
+    `policy_version` is not newer than the engine's, or the broadcast breaks
+    off part-way (the engine then refuses Generate until a complete update);
+    INVALID_ARGUMENT for an unknown parameter name or a shape that does not match.
     """
     PushWeights: _grpc.StreamUnaryMultiCallable[_rollout_pb2.PushWeightsRequest, _rollout_pb2.PushWeightsResponse]
     """Receives one weight update as a stream of tensor chunks: the fallback when
@@ -85,7 +89,10 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     """Rolls out `n` samples of every prompt and streams each trajectory back as
     soon as it finishes (no barrier across trajectories).
     Returns INVALID_ARGUMENT for an empty prompt list, an UNSPECIFIED role, or
-    limits that contradict each other; FAILED_PRECONDITION while shut down.
+    limits that contradict each other; FAILED_PRECONDITION while shut down, or
+    while the engine's weights are incomplete after a broken weight update
+    (GetStatsResponse.weights_incomplete_reason); trajectories in flight when
+    it broke end with FINISH_REASON_ERROR.
     Trajectories aborted with Abort stream back with FINISH_REASON_ABORTED.
     """
     Abort: _aio.UnaryUnaryMultiCallable[_rollout_pb2.AbortRequest, _rollout_pb2.AbortResponse]  # type: ignore[assignment]
@@ -104,9 +111,10 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     UpdateWeights: _aio.UnaryUnaryMultiCallable[_rollout_pb2.UpdateWeightsRequest, _rollout_pb2.UpdateWeightsResponse]  # type: ignore[assignment]
     """Receives one weight update over the group from InitWeightSync: the trainer
     broadcasts `tensors` in order, in buckets; the engine loads them and bumps
-    its policy version. Returns FAILED_PRECONDITION when no group is set up or
-    `policy_version` is not newer than the engine's; INVALID_ARGUMENT for an
-    unknown parameter name or a shape that does not match.
+    its policy version. Returns FAILED_PRECONDITION when no group is set up,
+    `policy_version` is not newer than the engine's, or the broadcast breaks
+    off part-way (the engine then refuses Generate until a complete update);
+    INVALID_ARGUMENT for an unknown parameter name or a shape that does not match.
     """
     PushWeights: _aio.StreamUnaryMultiCallable[_rollout_pb2.PushWeightsRequest, _rollout_pb2.PushWeightsResponse]  # type: ignore[assignment]
     """Receives one weight update as a stream of tensor chunks: the fallback when
@@ -130,7 +138,10 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         """Rolls out `n` samples of every prompt and streams each trajectory back as
         soon as it finishes (no barrier across trajectories).
         Returns INVALID_ARGUMENT for an empty prompt list, an UNSPECIFIED role, or
-        limits that contradict each other; FAILED_PRECONDITION while shut down.
+        limits that contradict each other; FAILED_PRECONDITION while shut down, or
+        while the engine's weights are incomplete after a broken weight update
+        (GetStatsResponse.weights_incomplete_reason); trajectories in flight when
+        it broke end with FINISH_REASON_ERROR.
         Trajectories aborted with Abort stream back with FINISH_REASON_ABORTED.
         """
 
@@ -179,9 +190,10 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_rollout_pb2.UpdateWeightsResponse, _abc.Awaitable[_rollout_pb2.UpdateWeightsResponse]]:
         """Receives one weight update over the group from InitWeightSync: the trainer
         broadcasts `tensors` in order, in buckets; the engine loads them and bumps
-        its policy version. Returns FAILED_PRECONDITION when no group is set up or
-        `policy_version` is not newer than the engine's; INVALID_ARGUMENT for an
-        unknown parameter name or a shape that does not match.
+        its policy version. Returns FAILED_PRECONDITION when no group is set up,
+        `policy_version` is not newer than the engine's, or the broadcast breaks
+        off part-way (the engine then refuses Generate until a complete update);
+        INVALID_ARGUMENT for an unknown parameter name or a shape that does not match.
         """
 
     @_abc_1.abstractmethod

@@ -28,7 +28,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from turnrl.v1 import common_pb2 as turnrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14turnrl/v1/tool.proto\x12\tturnrl.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16turnrl/v1/common.proto\"\xb4\x01\n\x08ToolInfo\x12%\n\x06schema\x18\x01 \x01(\x0b\x32\x15.turnrl.v1.ToolSchema\x12\x17\n\x0fmax_concurrency\x18\x02 \x01(\x05\x12\x1d\n\x15rate_limit_per_second\x18\x03 \x01(\x01\x12/\n\x0c\x63\x61ll_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x18\n\x10requires_session\x18\x05 \x01(\x08\"\xf0\x01\n\nToolResult\x12\x0c\n\x04text\x18\x01 \x01(\t\x12 \n\x06images\x18\x02 \x03(\x0b\x32\x10.turnrl.v1.Image\x12\x18\n\x0bstep_reward\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x33\n\x07metrics\x18\x04 \x03(\x0b\x32\".turnrl.v1.ToolResult.MetricsEntry\x12#\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x14.turnrl.v1.ToolError\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_step_reward\"\xb2\x02\n\tToolError\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.turnrl.v1.ToolError.Kind\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xea\x01\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16KIND_INVALID_ARGUMENTS\x10\x01\x12\x15\n\x11KIND_UNKNOWN_TOOL\x10\x02\x12\x18\n\x14KIND_UNKNOWN_SESSION\x10\x03\x12\x10\n\x0cKIND_TIMEOUT\x10\x04\x12\x19\n\x15KIND_EXECUTION_FAILED\x10\x05\x12\x15\n\x11KIND_RATE_LIMITED\x10\x06\x12\x12\n\x0eKIND_TOO_LARGE\x10\x07\x12\x14\n\x10KIND_UNAVAILABLE\x10\x08\x12\x11\n\rKIND_INTERNAL\x10\t\"\x12\n\x10ListToolsRequest\"7\n\x11ListToolsResponse\x12\"\n\x05tools\x18\x01 \x03(\x0b\x32\x13.turnrl.v1.ToolInfo\"\x82\x01\n\x14\x43reateSessionRequest\x12\x11\n\ttool_name\x18\x01 \x01(\t\x12/\n\x0esession_kwargs\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12&\n\x03ttl\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"\\\n\x15\x43reateSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12/\n\x0b\x65xpire_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"J\n\x0e\x45xecuteRequest\x12\x11\n\ttool_name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\"8\n\x0f\x45xecuteResponse\x12%\n\x06result\x18\x01 \x01(\x0b\x32\x15.turnrl.v1.ToolResult\"\'\n\x11\x43\x61lcRewardRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x91\x01\n\x12\x43\x61lcRewardResponse\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12;\n\x07metrics\x18\x02 \x03(\x0b\x32*.turnrl.v1.CalcRewardResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"+\n\x15ReleaseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x16ReleaseSessionResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x8d\x03\n\x0bToolService\x12\x46\n\tListTools\x12\x1b.turnrl.v1.ListToolsRequest\x1a\x1c.turnrl.v1.ListToolsResponse\x12R\n\rCreateSession\x12\x1f.turnrl.v1.CreateSessionRequest\x1a .turnrl.v1.CreateSessionResponse\x12@\n\x07\x45xecute\x12\x19.turnrl.v1.ExecuteRequest\x1a\x1a.turnrl.v1.ExecuteResponse\x12I\n\nCalcReward\x12\x1c.turnrl.v1.CalcRewardRequest\x1a\x1d.turnrl.v1.CalcRewardResponse\x12U\n\x0eReleaseSession\x12 .turnrl.v1.ReleaseSessionRequest\x1a!.turnrl.v1.ReleaseSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14turnrl/v1/tool.proto\x12\tturnrl.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16turnrl/v1/common.proto\"\xb4\x01\n\x08ToolInfo\x12%\n\x06schema\x18\x01 \x01(\x0b\x32\x15.turnrl.v1.ToolSchema\x12\x17\n\x0fmax_concurrency\x18\x02 \x01(\x05\x12\x1d\n\x15rate_limit_per_second\x18\x03 \x01(\x01\x12/\n\x0c\x63\x61ll_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x18\n\x10requires_session\x18\x05 \x01(\x08\"\xf0\x01\n\nToolResult\x12\x0c\n\x04text\x18\x01 \x01(\t\x12 \n\x06images\x18\x02 \x03(\x0b\x32\x10.turnrl.v1.Image\x12\x18\n\x0bstep_reward\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x33\n\x07metrics\x18\x04 \x03(\x0b\x32\".turnrl.v1.ToolResult.MetricsEntry\x12#\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x14.turnrl.v1.ToolError\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_step_reward\"\xce\x02\n\tToolError\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.turnrl.v1.ToolError.Kind\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x86\x02\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16KIND_INVALID_ARGUMENTS\x10\x01\x12\x15\n\x11KIND_UNKNOWN_TOOL\x10\x02\x12\x18\n\x14KIND_UNKNOWN_SESSION\x10\x03\x12\x10\n\x0cKIND_TIMEOUT\x10\x04\x12\x19\n\x15KIND_EXECUTION_FAILED\x10\x05\x12\x15\n\x11KIND_RATE_LIMITED\x10\x06\x12\x12\n\x0eKIND_TOO_LARGE\x10\x07\x12\x14\n\x10KIND_UNAVAILABLE\x10\x08\x12\x11\n\rKIND_INTERNAL\x10\t\x12\x1a\n\x16KIND_DEADLINE_EXCEEDED\x10\n\"\x12\n\x10ListToolsRequest\"7\n\x11ListToolsResponse\x12\"\n\x05tools\x18\x01 \x03(\x0b\x32\x13.turnrl.v1.ToolInfo\"\x82\x01\n\x14\x43reateSessionRequest\x12\x11\n\ttool_name\x18\x01 \x01(\t\x12/\n\x0esession_kwargs\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12&\n\x03ttl\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"\\\n\x15\x43reateSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12/\n\x0b\x65xpire_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"J\n\x0e\x45xecuteRequest\x12\x11\n\ttool_name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\"8\n\x0f\x45xecuteResponse\x12%\n\x06result\x18\x01 \x01(\x0b\x32\x15.turnrl.v1.ToolResult\"\'\n\x11\x43\x61lcRewardRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x91\x01\n\x12\x43\x61lcRewardResponse\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12;\n\x07metrics\x18\x02 \x03(\x0b\x32*.turnrl.v1.CalcRewardResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"+\n\x15ReleaseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x16ReleaseSessionResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x8d\x03\n\x0bToolService\x12\x46\n\tListTools\x12\x1b.turnrl.v1.ListToolsRequest\x1a\x1c.turnrl.v1.ListToolsResponse\x12R\n\rCreateSession\x12\x1f.turnrl.v1.CreateSessionRequest\x1a .turnrl.v1.CreateSessionResponse\x12@\n\x07\x45xecute\x12\x19.turnrl.v1.ExecuteRequest\x1a\x1a.turnrl.v1.ExecuteResponse\x12I\n\nCalcReward\x12\x1c.turnrl.v1.CalcRewardRequest\x1a\x1d.turnrl.v1.CalcRewardResponse\x12U\n\x0eReleaseSession\x12 .turnrl.v1.ReleaseSessionRequest\x1a!.turnrl.v1.ReleaseSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,31 +46,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOOLRESULT_METRICSENTRY']._serialized_start=516
   _globals['_TOOLRESULT_METRICSENTRY']._serialized_end=562
   _globals['_TOOLERROR']._serialized_start=581
-  _globals['_TOOLERROR']._serialized_end=887
+  _globals['_TOOLERROR']._serialized_end=915
   _globals['_TOOLERROR_KIND']._serialized_start=653
-  _globals['_TOOLERROR_KIND']._serialized_end=887
-  _globals['_LISTTOOLSREQUEST']._serialized_start=889
-  _globals['_LISTTOOLSREQUEST']._serialized_end=907
-  _globals['_LISTTOOLSRESPONSE']._serialized_start=909
-  _globals['_LISTTOOLSRESPONSE']._serialized_end=964
-  _globals['_CREATESESSIONREQUEST']._serialized_start=967
-  _globals['_CREATESESSIONREQUEST']._serialized_end=1097
-  _globals['_CREATESESSIONRESPONSE']._serialized_start=1099
-  _globals['_CREATESESSIONRESPONSE']._serialized_end=1191
-  _globals['_EXECUTEREQUEST']._serialized_start=1193
-  _globals['_EXECUTEREQUEST']._serialized_end=1267
-  _globals['_EXECUTERESPONSE']._serialized_start=1269
-  _globals['_EXECUTERESPONSE']._serialized_end=1325
-  _globals['_CALCREWARDREQUEST']._serialized_start=1327
-  _globals['_CALCREWARDREQUEST']._serialized_end=1366
-  _globals['_CALCREWARDRESPONSE']._serialized_start=1369
-  _globals['_CALCREWARDRESPONSE']._serialized_end=1514
+  _globals['_TOOLERROR_KIND']._serialized_end=915
+  _globals['_LISTTOOLSREQUEST']._serialized_start=917
+  _globals['_LISTTOOLSREQUEST']._serialized_end=935
+  _globals['_LISTTOOLSRESPONSE']._serialized_start=937
+  _globals['_LISTTOOLSRESPONSE']._serialized_end=992
+  _globals['_CREATESESSIONREQUEST']._serialized_start=995
+  _globals['_CREATESESSIONREQUEST']._serialized_end=1125
+  _globals['_CREATESESSIONRESPONSE']._serialized_start=1127
+  _globals['_CREATESESSIONRESPONSE']._serialized_end=1219
+  _globals['_EXECUTEREQUEST']._serialized_start=1221
+  _globals['_EXECUTEREQUEST']._serialized_end=1295
+  _globals['_EXECUTERESPONSE']._serialized_start=1297
+  _globals['_EXECUTERESPONSE']._serialized_end=1353
+  _globals['_CALCREWARDREQUEST']._serialized_start=1355
+  _globals['_CALCREWARDREQUEST']._serialized_end=1394
+  _globals['_CALCREWARDRESPONSE']._serialized_start=1397
+  _globals['_CALCREWARDRESPONSE']._serialized_end=1542
   _globals['_CALCREWARDRESPONSE_METRICSENTRY']._serialized_start=516
   _globals['_CALCREWARDRESPONSE_METRICSENTRY']._serialized_end=562
-  _globals['_RELEASESESSIONREQUEST']._serialized_start=1516
-  _globals['_RELEASESESSIONREQUEST']._serialized_end=1559
-  _globals['_RELEASESESSIONRESPONSE']._serialized_start=1561
-  _globals['_RELEASESESSIONRESPONSE']._serialized_end=1603
-  _globals['_TOOLSERVICE']._serialized_start=1606
-  _globals['_TOOLSERVICE']._serialized_end=2003
+  _globals['_RELEASESESSIONREQUEST']._serialized_start=1544
+  _globals['_RELEASESESSIONREQUEST']._serialized_end=1587
+  _globals['_RELEASESESSIONRESPONSE']._serialized_start=1589
+  _globals['_RELEASESESSIONRESPONSE']._serialized_end=1631
+  _globals['_TOOLSERVICE']._serialized_start=1634
+  _globals['_TOOLSERVICE']._serialized_end=2031
 # @@protoc_insertion_point(module_scope)

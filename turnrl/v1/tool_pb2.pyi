@@ -155,7 +155,9 @@ class ToolError(_message.Message):
         KIND_UNKNOWN_SESSION: ToolError._Kind.ValueType  # 3
         """No live session of that id (never created, released, or expired)."""
         KIND_TIMEOUT: ToolError._Kind.ValueType  # 4
-        """The call ran past its time limit and was stopped."""
+        """The call ran past the tool's own time limit (`ToolInfo.call_timeout`, a
+        sandbox's wall time) and was stopped.
+        """
         KIND_EXECUTION_FAILED: ToolError._Kind.ValueType  # 5
         """The call ran and failed (an exception, a non-zero exit, a sandbox kill)."""
         KIND_RATE_LIMITED: ToolError._Kind.ValueType  # 6
@@ -166,6 +168,12 @@ class ToolError(_message.Message):
         """A dependency of the tool (a retriever, an MCP server) was unreachable."""
         KIND_INTERNAL: ToolError._Kind.ValueType  # 9
         """A bug in the tool service; details are in its log."""
+        KIND_DEADLINE_EXCEEDED: ToolError._Kind.ValueType  # 10
+        """The caller's deadline ran out before the tool's own time limit did (the
+        call waited in the tool's queue, or the deadline was shorter than
+        `ToolInfo.call_timeout`): the call was cut short, which says nothing about
+        the model's code. KIND_TIMEOUT is the tool's own limit.
+        """
 
     class Kind(_Kind, metaclass=_KindEnumTypeWrapper):
         """Class of failure."""
@@ -179,7 +187,9 @@ class ToolError(_message.Message):
     KIND_UNKNOWN_SESSION: ToolError.Kind.ValueType  # 3
     """No live session of that id (never created, released, or expired)."""
     KIND_TIMEOUT: ToolError.Kind.ValueType  # 4
-    """The call ran past its time limit and was stopped."""
+    """The call ran past the tool's own time limit (`ToolInfo.call_timeout`, a
+    sandbox's wall time) and was stopped.
+    """
     KIND_EXECUTION_FAILED: ToolError.Kind.ValueType  # 5
     """The call ran and failed (an exception, a non-zero exit, a sandbox kill)."""
     KIND_RATE_LIMITED: ToolError.Kind.ValueType  # 6
@@ -190,6 +200,12 @@ class ToolError(_message.Message):
     """A dependency of the tool (a retriever, an MCP server) was unreachable."""
     KIND_INTERNAL: ToolError.Kind.ValueType  # 9
     """A bug in the tool service; details are in its log."""
+    KIND_DEADLINE_EXCEEDED: ToolError.Kind.ValueType  # 10
+    """The caller's deadline ran out before the tool's own time limit did (the
+    call waited in the tool's queue, or the deadline was shorter than
+    `ToolInfo.call_timeout`): the call was cut short, which says nothing about
+    the model's code. KIND_TIMEOUT is the tool's own limit.
+    """
 
     KIND_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int

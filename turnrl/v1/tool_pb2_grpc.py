@@ -91,7 +91,8 @@ class ToolServiceServicer:
     def Execute(self, request, context):
         """Runs one tool call. Returns OK with `result.error` set for every failure the
         model should read: malformed or oversized arguments, an unknown tool or
-        session, a rate limit, a timeout, a crash or sandbox kill. Returns
+        session, a rate limit, a timeout, a crash or sandbox kill; `error.kind` says
+        whose fault it is (turnrl/failures.py). Returns
         RESOURCE_EXHAUSTED when the call cannot start before the caller's deadline
         (the tool's queue is full, or no slot frees up in time), INVALID_ARGUMENT
         when `tool_name` is empty.

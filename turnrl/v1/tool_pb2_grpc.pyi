@@ -51,7 +51,8 @@ class ToolServiceStub:
     Execute: _grpc.UnaryUnaryMultiCallable[_tool_pb2.ExecuteRequest, _tool_pb2.ExecuteResponse]
     """Runs one tool call. Returns OK with `result.error` set for every failure the
     model should read: malformed or oversized arguments, an unknown tool or
-    session, a rate limit, a timeout, a crash or sandbox kill. Returns
+    session, a rate limit, a timeout, a crash or sandbox kill; `error.kind` says
+    whose fault it is (turnrl/failures.py). Returns
     RESOURCE_EXHAUSTED when the call cannot start before the caller's deadline
     (the tool's queue is full, or no slot frees up in time), INVALID_ARGUMENT
     when `tool_name` is empty.
@@ -85,7 +86,8 @@ class ToolServiceAsyncStub(ToolServiceStub):
     Execute: _aio.UnaryUnaryMultiCallable[_tool_pb2.ExecuteRequest, _tool_pb2.ExecuteResponse]  # type: ignore[assignment]
     """Runs one tool call. Returns OK with `result.error` set for every failure the
     model should read: malformed or oversized arguments, an unknown tool or
-    session, a rate limit, a timeout, a crash or sandbox kill. Returns
+    session, a rate limit, a timeout, a crash or sandbox kill; `error.kind` says
+    whose fault it is (turnrl/failures.py). Returns
     RESOURCE_EXHAUSTED when the call cannot start before the caller's deadline
     (the tool's queue is full, or no slot frees up in time), INVALID_ARGUMENT
     when `tool_name` is empty.
@@ -134,7 +136,8 @@ class ToolServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_tool_pb2.ExecuteResponse, _abc.Awaitable[_tool_pb2.ExecuteResponse]]:
         """Runs one tool call. Returns OK with `result.error` set for every failure the
         model should read: malformed or oversized arguments, an unknown tool or
-        session, a rate limit, a timeout, a crash or sandbox kill. Returns
+        session, a rate limit, a timeout, a crash or sandbox kill; `error.kind` says
+        whose fault it is (turnrl/failures.py). Returns
         RESOURCE_EXHAUSTED when the call cannot start before the caller's deadline
         (the tool's queue is full, or no slot frees up in time), INVALID_ARGUMENT
         when `tool_name` is empty.

@@ -26,5 +26,17 @@ def kills_its_process(request: ScoringRequest) -> Score:
     os._exit(3)
 
 
+def fails_on_some_responses(request: ScoringRequest) -> Score:
+    """`compute_score`, except that it raises, hangs or kills its process on the responses
+    "raise", "hang" and "die": as math-verify may on an expression the model wrote."""
+    if request.response_text == "raise":
+        raise RecursionError("maximum recursion depth exceeded")
+    if request.response_text == "hang":
+        sleeps_forever(request)
+    if request.response_text == "die":
+        kills_its_process(request)
+    return compute_score(request)
+
+
 def returns_a_float(request: ScoringRequest) -> Score:
     return 1.0  # type: ignore[return-value]

@@ -1,0 +1,44 @@
+"""`make test-learning`: the demo and the two CPU recipes, each run by `turnrl run` for its
+configured steps through the four services, must end within 0.05 of the held-out accuracy the
+README states for it. Left out of `make test` (marked `learning`); `.ci/run` runs it after."""
+
+import json
+
+import pytest
+
+from turnrl.config import REPO_ROOT
+
+from ..conftest import FREE_PORTS, run_turnrl
+
+README = (REPO_ROOT / "README.md").read_text()
+# The final held-out accuracy README states for each task, and the words it states it in.
+STATED_FINAL_ACCURACY = {
+    "calculator": (1.0, "after 5 GRPO steps it calls the calculator on every one\n(1.000"),
+    "search": (0.898, "0.000 to\n0.898 for search"),
+    "code": (0.945, "held-out accuracy 0.000 to 0.945 for code"),
+}
+TOLERANCE = 0.05
+
+
+@pytest.mark.parametrize("task", sorted(STATED_FINAL_ACCURACY))
+def test_readme_states_the_figure_checked_here(task):
+    _, words = STATED_FINAL_ACCURACY[task]
+    assert " ".join(words.split()) in " ".join(README.split())
+
+
+@pytest.mark.learning
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("task", sorted(STATED_FINAL_ACCURACY))
+async def test_the_task_learns_as_readme_says(task, tmp_path):
+    code, _, stderr = await run_turnrl(
+        "run", "--config", str(REPO_ROOT / "examples" / task / "config.yaml"), *FREE_PORTS,
+        f"trainer.output_dir={tmp_path}", f"trainer.run_name={task}",
+        timeout_seconds=840,
+    )  # fmt: skip
+    assert code == 0, stderr[-3000:]
+    summary = json.loads((tmp_path / task / "summary.json").read_text())
+    stated, _ = STATED_FINAL_ACCURACY[task]
+    assert summary["initial_eval_accuracy"] < stated - TOLERANCE, summary
+    assert summary["final_eval_accuracy"] >= stated - TOLERANCE, summary
+    assert summary["final_eval_tool_call_share"] > 0.9, summary
+    assert summary["logprob_mismatch_mean_abs"] < 1e-5, summary
