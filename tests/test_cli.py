@@ -95,6 +95,7 @@ async def test_score_prints_one_json_object_per_item(tmp_path):
     assert code == 0
     result = json.loads(stdout)
     assert result["score"] == 1.0 and result["scorer"] == "gsm8k" and not result["error"]
+    assert result["failure"] == "FAILURE_UNSPECIFIED"
     assert result["extras"]["extracted"] == "42"
     code, stdout, _ = many
     assert code == 0

@@ -178,15 +178,22 @@ class WeightPusher:
         ]
         joining = asyncio.to_thread(form_group, store, 0, world_size, backend, group_name, timeout)
         group, *results = await asyncio.gather(joining, *calls, return_exceptions=True)
-        replies = _replies(results)
-        for index, reply in enumerate(replies):
-            if reply.ranks_joined != ranks[index]:
-                raise RuntimeError(
-                    f"rollout replica {index} joined with {reply.ranks_joined} ranks, not "
-                    f"{ranks[index]}"
-                )
-        if isinstance(group, BaseException):
-            raise group
+        try:
+            replies = _replies(results)
+            for index, reply in enumerate(replies):
+                if reply.ranks_joined != ranks[index]:
+                    raise RuntimeError(
+                        f"rollout replica {index} joined with {reply.ranks_joined} ranks, not "
+                        f"{ranks[index]}"
+                    )
+            if isinstance(group, BaseException):
+                raise group
+        except BaseException:
+            # A group formed beside a replica that failed is left, not leaked: the replicas
+            # leave their end when they join the next group.
+            if isinstance(group, dist.ProcessGroup):
+                leave_group(group)
+            raise
         return group, group_layout([reply.layout for reply in replies])
 
     async def _broadcast(

@@ -234,6 +234,8 @@ def _score_json(result: reward_pb2.ScoringResult) -> dict[str, Any]:
         "extras": json_format.MessageToDict(result.reward.extras),
         "error": result.reward.error,
         "error_message": result.reward.error_message,
+        # Why the item was not graded and whose fault that is (turnrl/failures.py).
+        "failure": reward_pb2.ScoringResult.Failure.Name(result.failure),
         "scorer": result.scorer,
     }
 
