@@ -19,7 +19,6 @@ from tests.fixture_files import FixturesUnavailableError, resolve_fixtures
 from turnrl import rpc
 from turnrl.config import REPO_ROOT, ServerConfig
 from turnrl_cli.project_config import SERVICE_NAMES
-from turnrl_cli.up_table import UP_TABLE_ROW as UP_TABLE_ROW  # re-exported: tests import it here
 from turnrl_demo.tiny_model import build_tiny_model
 
 # Asyncio debug mode in every test loop and child service: slow callbacks (>100 ms) are reported.
@@ -37,6 +36,15 @@ def ledger_keys(run_dir: Path, outcome: str) -> list[str]:
     "filtered", "unused"), over all its steps."""
     lines = (run_dir / "ledger.jsonl").read_text().splitlines()
     return [key for line in lines for key in json.loads(line).get(outcome, [])]
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid still exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def free_port() -> int:

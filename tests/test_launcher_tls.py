@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import EXAMPLE_CONFIG, FREE_PORTS, UP_TABLE_ROW, run_turnrl, spawn_turnrl
+from tests.conftest import EXAMPLE_CONFIG, FREE_PORTS, run_turnrl, spawn_turnrl
 from turnrl import errors, rpc
 from turnrl.config import CLIENT_TOKEN_ENV, ClientConfig
 from turnrl.v1 import tool_pb2, tool_pb2_grpc
 from turnrl_cli.launch_tls import needs_launch_tls
 from turnrl_cli.project_config import load_project_config
+from turnrl_cli.up_table import UP_TABLE_ROW
 
 pytestmark = pytest.mark.usefixtures("tiny_model_dir")
 

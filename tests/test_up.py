@@ -18,6 +18,7 @@ from .conftest import (
     EXAMPLE_CONFIG,
     FREE_PORTS,
     SERVICE_NAMES,
+    pid_alive,
     run_turnrl,
     serve_subprocess,
     spawn_turnrl,
@@ -28,14 +29,6 @@ from .conftest import (
 pytestmark = pytest.mark.usefixtures("tiny_model_dir")
 
 SHORT_GRACE = [f"{name}.server.shutdown_grace_seconds=2" for name in SERVICE_NAMES]
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 async def test_up_check_starts_checks_and_stops_all_four(example_on_tiny_model):

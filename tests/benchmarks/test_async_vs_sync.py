@@ -2,7 +2,6 @@
 services stop however the benchmark ends."""
 
 import argparse
-import os
 from pathlib import Path
 
 import pytest
@@ -10,16 +9,10 @@ from async_vs_sync import project_config, services
 
 from turnrl_cli.up_table import up_rows
 
+from ..conftest import pid_alive
+
 # These start the rollout service on the demo's tiny model.
 pytestmark = pytest.mark.usefixtures("tiny_model_dir")
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def environment(pid: int) -> list[str]:

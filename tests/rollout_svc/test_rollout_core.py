@@ -459,10 +459,16 @@ async def test_tool_calls_that_could_not_run_are_counted_apart_from_the_models_e
         prompt = dataclasses.replace(prompt, tools_kwargs={"calculator": {}})
     async with tool_address(serving) as tools, agent_loop(tiny_model_dir, tools) as loop:
         trajectory = await run_one(loop, prompt, max_turns=1, request_id="call")
+    assert_every_tool_call_failed(trajectory, infra_failed)
+    assert Trajectory.from_proto(trajectory.to_proto()).metrics == trajectory.metrics
+
+
+def assert_every_tool_call_failed(trajectory: Trajectory, infra_failed: bool) -> None:
+    """The one-turn trajectory's tool calls all failed, each counted as the system's when
+    `infra_failed`, else as the model's; the model read the failure as a tool message either
+    way."""
     assert trajectory.finish_reason is FinishReason.MAX_TURNS, trajectory.error_message
     metrics = trajectory.metrics
     assert metrics["tool_calls"] >= 1 and metrics["tool_errors"] == metrics["tool_calls"]
     assert metrics["tool_infra_errors"] == (metrics["tool_calls"] if infra_failed else 0)
-    # The model reads the same observation either way; the count travels with the record.
     assert [m["role"] for m in trajectory.messages[-2:]] == ["assistant", "tool"]
-    assert Trajectory.from_proto(trajectory.to_proto()).metrics == metrics
