@@ -42,6 +42,7 @@ import logging
 import math
 import random
 import shlex
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -57,8 +58,8 @@ from rollout_svc.agent_loop import AgentLoop, PromptSpec, RolloutLimits
 from rollout_svc.config import RolloutConfig
 from rollout_svc.engines.base import Engine, SamplingParams
 from rollout_svc.engines.hf import HfEngine, HfEngineOptions
+from rollout_svc.engines.server_process import LaunchOptions
 from rollout_svc.engines.sglang import SglangEngine, SglangEngineOptions
-from rollout_svc.engines.sglang_server import DEFAULT_LAUNCH_COMMAND, SglangLaunchOptions
 from rollout_svc.parsers import PARSERS
 from rollout_svc.service import RolloutService
 from rollout_svc.tool_client import ToolClient
@@ -334,9 +335,9 @@ async def main() -> None:
         "decode comparison",
     )
     parser.add_argument(
-        "--sglang-command",
-        default=shlex.join(DEFAULT_LAUNCH_COMMAND),
-        help="the command that starts the SGLang server",
+        "--engine-python",
+        default=sys.executable,
+        help="the interpreter of the engine's environment (make engine-env)",
     )
     parser.add_argument("--sglang-args", default="--dtype bfloat16 --disable-cuda-graph")
     parser.add_argument(
@@ -404,9 +405,9 @@ async def start_engine(args: argparse.Namespace, model_path: str) -> Engine:
     if args.engine == "hf":
         options = HfEngineOptions(max_batch_size=args.prompts)
         return await HfEngine.create(options, model_path, MAX_MODEL_LEN)
-    launch = SglangLaunchOptions(
+    launch = LaunchOptions(
         port=0,
-        command=tuple(shlex.split(args.sglang_command)),
+        python=args.engine_python,
         extra_args=tuple(shlex.split(args.sglang_args)),
     )
     options = SglangEngineOptions(launch=launch, startup_timeout_seconds=900)

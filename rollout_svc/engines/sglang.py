@@ -2,7 +2,7 @@
 
 The engine either connects to a running server (`url`) or starts one itself (`launch`: runs
 `python -m sglang.launch_server` bound to 127.0.0.1, waits until it is healthy, stops it on
-close: `sglang_server`). Token in, token out: `/generate` gets `input_ids` and answers each
+close: `server_process`). Token in, token out: `/generate` gets `input_ids` and answers each
 sampled token with its logprob (`meta_info.output_token_logprobs`, [logprob, token_id, text]
 triples); the ids and logprobs are both read from those triples, so they cannot fall out of
 step. Request and reply shapes are `sglang_api`'s.
@@ -21,7 +21,7 @@ step. Request and reply shapes are `sglang_api`'s.
 - A weight call that fails leaves the server's weights partly updated: the engine then refuses
   to generate (`broken_push_error`) until an update completes, and on resume aborts the
   requests that were in flight.
-- Calls, their deadlines and retries, and how failures map onto turnrl errors: `sglang_http`.
+- Calls, their deadlines and retries, and how failures map onto turnrl errors: `engine_http`.
 """
 
 import asyncio
@@ -39,21 +39,16 @@ from rollout_svc.engines.base import (
     broken_push_error,
     check_prompt,
 )
+from rollout_svc.engines.engine_http import EngineHttp
+from rollout_svc.engines.server_process import LaunchOptions, start_server, stop_process_group
 from rollout_svc.engines.sglang_api import (
     GenerateReply,
     ModelInfo,
     ServerInfo,
-    parse_reply,
     request_metrics,
     sampling_params,
     token_versions,
     version_number,
-)
-from rollout_svc.engines.sglang_http import SglangHttp
-from rollout_svc.engines.sglang_server import (
-    SglangLaunchOptions,
-    start_server,
-    stop_process_group,
 )
 from rollout_svc.engines.sglang_weight_sync import ServerWeights
 from turnrl.config import StrictModel
@@ -68,6 +63,8 @@ from turnrl.weights import BucketedWeights, TensorMeta
 
 log = logging.getLogger(__name__)
 
+SGLANG_SERVER_MODULE = "sglang.launch_server"
+
 
 class SglangEngineOptions(StrictModel):
     """Settings of the SGLang engine (the rollout config's `engine_options` when the engine is
@@ -76,7 +73,7 @@ class SglangEngineOptions(StrictModel):
     url: str | None = Field(
         default=None, description="Base URL of a running server, e.g. http://127.0.0.1:30000."
     )
-    launch: SglangLaunchOptions | None = Field(
+    launch: LaunchOptions | None = Field(
         default=None,
         description="Start a server of the rollout config's `model_path` instead of "
         "connecting to `url`.",
@@ -136,11 +133,13 @@ class SglangEngine:
         process: asyncio.subprocess.Process | None = None,
     ) -> None:
         """Use `create()`, which also starts the server and checks it."""
-        self._http = SglangHttp(
+        self._http = EngineHttp(
+            "SGLang",
             url,
             options.max_concurrent_requests,
             options.control_timeout_seconds,
             options.max_retries,
+            health_path="/health_generate",  # runs a one-token generation
         )
         self.url = self._http.url
         self._options = options
@@ -176,12 +175,14 @@ class SglangEngine:
             assert options.url is not None  # the options validator ensures one of the two
             engine = cls(options, model_path, max_model_len, options.url)
         else:
-            process, url = await start_server(options.launch, model_path)
+            process, url = await start_server(
+                options.launch, SGLANG_SERVER_MODULE, ["--model-path", model_path]
+            )
             engine = cls(options, model_path, max_model_len, url, process)
         try:
             await engine._http.wait_until_healthy(options.startup_timeout_seconds, process)
             reply = await engine._http.call("GET", "/get_model_info", idempotent=True)
-            info = parse_reply(reply, ModelInfo, engine.url)
+            info = engine._http.parse(reply, ModelInfo)
             if not info.is_generation:
                 raise InvalidArgumentError(
                     f"SGLang server at {engine.url!r} serves {info.model_path!r}, which is not "
@@ -189,7 +190,7 @@ class SglangEngine:
                 )
             engine.weights.policy_version = version_number(info.weight_version)
             reply = await engine._http.call("GET", "/get_server_info", idempotent=True)
-            server = parse_reply(reply, ServerInfo, engine.url)
+            server = engine._http.parse(reply, ServerInfo)
             engine.weights.ranks = server.tp_size
             engine.weights.data_parallel_size = server.dp_size
         except BaseException:
@@ -245,7 +246,7 @@ class SglangEngine:
         finally:
             self._running.discard(request_id)
         self._check_weights_complete()  # its tokens would span weights of two versions
-        meta = parse_reply(reply, GenerateReply, self.url).meta_info
+        meta = self._http.parse(reply, GenerateReply).meta_info
         output = GenerateOutput(
             output_ids=[token_id for _, token_id, _ in meta.output_token_logprobs],
             logprobs=[logprob for logprob, _, _ in meta.output_token_logprobs],

@@ -2,21 +2,16 @@
 dtypes as SGLang takes them, and the replies it sends back, parsed (pydantic models) into what
 the engine returns.
 
-A reply of the wrong shape means an incompatible server: `parse_reply` raises RuntimeError.
+A reply of the wrong shape means an incompatible server: `EngineHttp.parse` raises RuntimeError.
 """
 
-import json
-from typing import Literal, TypeVar
+from typing import Literal
 
-import httpx
 import torch
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from rollout_svc.engines.base import SamplingParams
 from turnrl.errors import InvalidArgumentError
-from turnrl.http_json import MAX_ERROR_BODY_CHARS
-
-ReplyT = TypeVar("ReplyT", bound=BaseModel)
 
 
 class FinishReasonReply(BaseModel):
@@ -61,34 +56,6 @@ class ServerInfo(BaseModel):
 class WeightSyncReply(BaseModel):
     success: bool
     message: str = ""
-
-
-def parse_reply(response: httpx.Response, model: type[ReplyT], url: str) -> ReplyT:
-    """The answer of the server at `url` as `model`; RuntimeError (an incompatible server: a
-    bug to report, not a caller's mistake) when it does not fit."""
-    try:
-        return model.model_validate_json(response.content)
-    except ValidationError as e:
-        raise RuntimeError(
-            f"SGLang server at {url!r} sent a malformed answer to {response.request.method} "
-            f"{response.request.url.path} ({e.errors()[0]['msg']} at {e.errors()[0]['loc']}): "
-            f"{response.text[:MAX_ERROR_BODY_CHARS]!r}"
-        ) from None
-
-
-def error_detail(response: httpx.Response) -> str:
-    """The server's error message (SGLang answers {"error": {"message"}}, {"message"} or
-    text), clipped."""
-    try:
-        body = response.json()
-    except json.JSONDecodeError:
-        body = None
-    if isinstance(body, dict):
-        error = body.get("error")
-        message = error.get("message") if isinstance(error, dict) else body.get("message")
-        if isinstance(message, str):
-            return message[:MAX_ERROR_BODY_CHARS]
-    return response.text[:MAX_ERROR_BODY_CHARS]
 
 
 def sampling_params(sampling: SamplingParams) -> dict:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from rollout_svc.engines.sglang_api import dtype_name
-from rollout_svc.engines.sglang_http import SglangHttp
+from rollout_svc.engines.engine_http import EngineHttp
+from rollout_svc.engines.sglang_api import WeightSyncReply, dtype_name
 from rollout_svc.engines.sglang_weights import (
     check_against_checkpoint,
     checkpoint_shapes,
@@ -38,7 +38,7 @@ class ServerWeights:
 
     def __init__(
         self,
-        http: SglangHttp,
+        http: EngineHttp,
         model_path: str,
         layout: str,
         weight_sync_timeout_seconds: float,
@@ -91,7 +91,7 @@ class ServerWeights:
             "backend": backend,
         }
         self._group = group_name
-        await self._http.weight_sync_call("/init_weights_update_group", body, timeout_seconds)
+        await self._weight_call("/init_weights_update_group", body, timeout_seconds)
 
     async def receive(
         self,
@@ -218,10 +218,23 @@ class ServerWeights:
         are incomplete from the call until one that `completes` an update succeeds."""
         if self.incomplete_update is None:
             self.incomplete_update = policy_version
-        await self._http.weight_sync_call(path, body, self._weight_sync_timeout_seconds)
+        await self._weight_call(path, body, self._weight_sync_timeout_seconds)
         self.policy_version = policy_version
         if completes and policy_version >= self.incomplete_update:
             self.incomplete_update = None
+
+    async def _weight_call(self, path: str, body: dict, timeout_seconds: float) -> None:
+        """POSTs to one of the weight endpoints, which answer {success, message}; raises
+        FailedPreconditionError, with the server's message, when it failed."""
+        response = await self._http.call(
+            "POST", path, body, timeout_seconds=timeout_seconds,
+            rejected_error=FailedPreconditionError,
+        )  # fmt: skip
+        reply = self._http.parse(response, WeightSyncReply)
+        if not reply.success:
+            raise FailedPreconditionError(
+                f"{self._http.name} failed POST {path}: {reply.message!r}"
+            )
 
     async def _leave(self) -> None:
         """Has the server leave its weight-sync group, if any, so its name and its
@@ -229,7 +242,7 @@ class ServerWeights:
         if not self._group:
             return
         try:
-            await self._http.weight_sync_call(
+            await self._weight_call(
                 "/destroy_weights_update_group",
                 {"group_name": self._group},
                 self._control_timeout_seconds,

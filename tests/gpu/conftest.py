@@ -17,8 +17,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rollout_svc.engines.server_process import LaunchOptions
 from rollout_svc.engines.sglang import SglangEngine, SglangEngineOptions
-from rollout_svc.engines.sglang_server import SglangLaunchOptions
 
 # Low enough a memory fraction that the reference copy fits on the same GPU.
 SGLANG_ARGS = ("--dtype", "bfloat16", "--mem-fraction-static", "0.5", "--disable-cuda-graph")
@@ -59,7 +59,7 @@ def tokenizer(gpu_model_dir):
 
 def sglang_options(**overrides) -> SglangEngineOptions:
     """A server the engine launches itself: `python -m sglang.launch_server` on GPU 0."""
-    launch = SglangLaunchOptions(port=0, extra_args=SGLANG_ARGS)
+    launch = LaunchOptions(port=0, extra_args=SGLANG_ARGS)
     return SglangEngineOptions(
         launch=launch, startup_timeout_seconds=STARTUP_TIMEOUT_SECONDS, **overrides
     )

@@ -12,8 +12,8 @@ import pytest
 from pydantic import ValidationError
 
 from rollout_svc.engines.base import SamplingParams
+from rollout_svc.engines.server_process import LaunchOptions
 from rollout_svc.engines.sglang import SglangEngine, SglangEngineOptions
-from rollout_svc.engines.sglang_server import SglangLaunchOptions
 from tests.rollout_svc.sglang_stand_in import (
     MAX_MODEL_LEN,
     MODEL_PATH,
@@ -51,7 +51,7 @@ def test_options_need_exactly_one_server():
 
 
 async def test_launch_starts_the_server_with_its_arguments_and_stops_it():
-    launch = SglangLaunchOptions(
+    launch = LaunchOptions(
         port=0,
         extra_args=("--tp-size", "1", "--mem-fraction-static", "0.5"),
         command=stand_in_command(),
@@ -77,7 +77,7 @@ async def test_launch_starts_the_server_with_its_arguments_and_stops_it():
 
 
 async def test_the_watch_reports_a_launched_server_that_dies():
-    launch = SglangLaunchOptions(port=0, command=stand_in_command())
+    launch = LaunchOptions(port=0, command=stand_in_command())
     options = SglangEngineOptions(launch=launch, **engine_options(startup_timeout_seconds=120))
     engine = await SglangEngine.create(options, "stand-in/launched", MAX_MODEL_LEN)
     try:
@@ -92,7 +92,7 @@ async def test_the_watch_reports_a_launched_server_that_dies():
 
 
 async def test_launch_reports_a_server_that_exits_during_start_up():
-    launch = SglangLaunchOptions(port=0, command=(sys.executable, "-c", "import sys; sys.exit(3)"))
+    launch = LaunchOptions(port=0, command=(sys.executable, "-c", "import sys; sys.exit(3)"))
     with pytest.raises(UnavailableError, match="exited with code 3 before"):
         await SglangEngine.create(
             SglangEngineOptions(launch=launch, **engine_options()), "m", MAX_MODEL_LEN
@@ -102,4 +102,4 @@ async def test_launch_reports_a_server_that_exits_during_start_up():
 def test_the_launched_model_is_the_rollout_configs():
     """The server serves rollout.model_path, handed to create(); launch options name none."""
     with pytest.raises(ValidationError, match=r"model_path\n +Extra inputs are not permitted"):
-        SglangLaunchOptions(model_path="m")
+        LaunchOptions(model_path="m")

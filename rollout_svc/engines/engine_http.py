@@ -1,6 +1,6 @@
-"""The SGLang engine's HTTP client: one call of the server's native API within a deadline,
-tried again where that is safe, its failures mapped onto turnrl errors, and the wait for the
-server's health at start.
+"""The HTTP client of the engines that run in a server of their own (SGLang, vLLM): one call of
+the server's API within a deadline, tried again where that is safe, its failures mapped onto
+turnrl errors, the server's answers parsed, and the wait for the server's health at start.
 
 Failures name the server URL: unreachable or HTTP 5xx/429 -> UnavailableError, too slow ->
 DeadlineExceededError, other HTTP errors -> InvalidArgumentError (or the error the caller names
@@ -10,33 +10,47 @@ pause, resume, flush) are tried again, `max_retries` times.
 """
 
 import asyncio
+import json
 import logging
+from typing import TypeVar
 
 import httpx
 import tenacity
+from pydantic import BaseModel, ValidationError
 
-from rollout_svc.engines.sglang_api import WeightSyncReply, error_detail, parse_reply
 from turnrl.errors import (
     DeadlineExceededError,
-    FailedPreconditionError,
     InvalidArgumentError,
     TurnrlError,
     UnavailableError,
 )
+from turnrl.http_json import MAX_ERROR_BODY_CHARS
 
 log = logging.getLogger(__name__)
 
 RETRY_BASE_SECONDS = 0.1
 RETRY_MAX_SECONDS = 2.0
 
+ReplyT = TypeVar("ReplyT", bound=BaseModel)
 
-class SglangHttp:
-    """Calls to the SGLang server at `url` over a pool of `max_connections` connections."""
+
+class EngineHttp:
+    """Calls to the server at `url` over a pool of `max_connections` connections; `server`
+    names its kind in errors ("SGLang", "vLLM"), `health_path` is the call that says it can
+    generate."""
 
     def __init__(
-        self, url: str, max_connections: int, control_timeout_seconds: float, max_retries: int
+        self,
+        server: str,
+        url: str,
+        max_connections: int,
+        control_timeout_seconds: float,
+        max_retries: int,
+        health_path: str,
     ) -> None:
         self.url = url.rstrip("/")
+        self.name = f"{server} server at {self.url!r}"
+        self._health_path = health_path
         self._control_timeout_seconds = control_timeout_seconds
         self._max_retries = max_retries
         limits = httpx.Limits(
@@ -59,8 +73,8 @@ class SglangHttp:
         returns its 200 answer; the errors are those of the module docstring, a refusal (HTTP
         4xx but 429) as `rejected_error`.
 
-        Not `turnrl.http_json.post_json`: several SGLang endpoints are GETs or answer with an
-        empty or plain-text body.
+        Not `turnrl.http_json.post_json`: several engine endpoints are GETs, take query
+        parameters or answer with an empty or plain-text body.
         """
         timeout_seconds = timeout_seconds or self._control_timeout_seconds
         retrying = tenacity.AsyncRetrying(
@@ -73,7 +87,7 @@ class SglangHttp:
             # After the last attempt: its response, or its exception, as it came.
             retry_error_callback=lambda state: state.outcome.result(),
         )
-        server = f"SGLang server at {self.url!r}"
+        server = self.name
         try:
             async with asyncio.timeout(timeout_seconds):
                 response = await retrying(self._client.request, method, self.url + path, json=body)
@@ -97,35 +111,33 @@ class SglangHttp:
             )
         return response
 
-    async def weight_sync_call(self, path: str, body: dict, timeout_seconds: float) -> None:
-        """POSTs to one of the weight endpoints, which answer {success, message}; raises
-        FailedPreconditionError, with the server's message, when it failed."""
-        response = await self.call(
-            "POST", path, body, timeout_seconds=timeout_seconds,
-            rejected_error=FailedPreconditionError,
-        )  # fmt: skip
-        reply = parse_reply(response, WeightSyncReply, self.url)
-        if not reply.success:
-            raise FailedPreconditionError(
-                f"SGLang server at {self.url!r} failed POST {path}: {reply.message!r}"
-            )
+    def parse(self, response: httpx.Response, model: type[ReplyT]) -> ReplyT:
+        """The server's answer as `model`; RuntimeError (an incompatible server: a bug to
+        report, not a caller's mistake) when it does not fit."""
+        try:
+            return model.model_validate_json(response.content)
+        except ValidationError as e:
+            raise RuntimeError(
+                f"{self.name} sent a malformed answer to {response.request.method} "
+                f"{response.request.url.path} ({e.errors()[0]['msg']} at "
+                f"{e.errors()[0]['loc']}): {response.text[:MAX_ERROR_BODY_CHARS]!r}"
+            ) from None
 
     async def wait_until_healthy(
         self, timeout_seconds: float, process: asyncio.subprocess.Process | None
     ) -> None:
-        """Polls GET /health_generate (which runs a one-token generation) until it answers
-        200. Raises UnavailableError once `process` (a server this engine launched) exits,
+        """Polls GET `health_path` until it answers 200. Raises UnavailableError once `process` (a server this engine launched) exits,
         DeadlineExceededError after `timeout_seconds`."""
 
         async def healthy() -> bool:
             if process is not None and process.returncode is not None:
                 raise UnavailableError(
-                    f"SGLang server process {process.pid} exited with code "
-                    f"{process.returncode} before {self.url!r} became healthy; its log is above"
+                    f"{self.name}: process {process.pid} exited with code "
+                    f"{process.returncode} before it became healthy; its log is above"
                 )
             try:
                 response = await self._client.get(
-                    f"{self.url}/health_generate", timeout=self._control_timeout_seconds
+                    self.url + self._health_path, timeout=self._control_timeout_seconds
                 )
             except httpx.TransportError:
                 return False
@@ -137,17 +149,13 @@ class SglangHttp:
                 multiplier=RETRY_BASE_SECONDS, max=RETRY_MAX_SECONDS, jitter=RETRY_BASE_SECONDS
             ),
         )
-        log.info(
-            "waiting up to %g s for the SGLang server at %s to be healthy",
-            timeout_seconds,
-            self.url,
-        )
+        log.info("waiting up to %g s for the %s to be healthy", timeout_seconds, self.name)
         try:
             async with asyncio.timeout(timeout_seconds):
                 await retrying(healthy)
         except TimeoutError:
             raise DeadlineExceededError(
-                f"SGLang server at {self.url!r} was not healthy within {timeout_seconds:g} s"
+                f"{self.name} was not healthy within {timeout_seconds:g} s"
             ) from None
 
     async def close(self) -> None:
@@ -156,3 +164,22 @@ class SglangHttp:
 
 def _is_retryable(response: httpx.Response) -> bool:
     return response.status_code == 429 or response.status_code >= 500
+
+
+def error_detail(response: httpx.Response) -> str:
+    """The server's error message ({"error": {"message"}}, {"message"}, {"detail"} or text),
+    clipped."""
+    try:
+        body = response.json()
+    except json.JSONDecodeError:
+        body = None
+    if isinstance(body, dict):
+        error = body.get("error")
+        message = (
+            error.get("message")
+            if isinstance(error, dict)
+            else body.get("message", body.get("detail"))
+        )
+        if isinstance(message, str):
+            return message[:MAX_ERROR_BODY_CHARS]
+    return response.text[:MAX_ERROR_BODY_CHARS]
