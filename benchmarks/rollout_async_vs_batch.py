@@ -22,14 +22,25 @@ lift the efficiency it judges); the longest trajectory is the slowest (by its to
 the batch, rerun alone (timed inside (b) it would span all of (b), as every trajectory starts
 at once). Efficiency is that bound over the wall time of (b); the tool-wait ceiling is
 the speedup an infinitely fast engine would give: the sum over rounds of each round's slowest
-wait, over the largest sum of one trajectory's waits. Then the hf engine's tokens/s is
-compared with `model.generate` on one batch of prompts, every row decoding `--decode-tokens`
-tokens (EOS is switched off for both).
+wait, over the largest sum of one trajectory's waits.
+
+The service's cost: the no-tool-wait run's model turns are sent to the same engine again
+directly, each with the tokens before it, all trajectories at once (`direct_engine.replay`);
+the service's wall time over the engine's alone is what the agent loop, chat template,
+parsing, tool calls and trajectory records add. Tokens/s is the model tokens of a rollout over
+the no-tool-wait run's wall time (through the service) and over the replay's (direct). With
+the hf engine, its tokens/s is also compared with `model.generate` on one batch of prompts,
+every row decoding `--decode-tokens` tokens (EOS is switched off for both).
 
     .venv/bin/python benchmarks/rollout_async_vs_batch.py [--prompts 64] [--draws 5]  # ~1.5 min
 
-With `--engine sglang` (a GPU, SGLang installed) the rollouts run on an SGLang server of the
-same model that the engine launches, and the decode comparison is left out.
+With `--engine vllm` the rollouts run on a vLLM server of the same model that the engine
+launches from `--engine-python` (vLLM's environment, `make engine-env ENGINE=vllm`; the CPU
+build here, float32, 1 GiB of KV cache); with `--engine sglang` (a GPU) on an SGLang server.
+Both leave the decode comparison out.
+
+    .venv/bin/python benchmarks/rollout_async_vs_batch.py --engine vllm \
+      --engine-python .venv-vllm/bin/python
 
 The last line printed is one JSON object with the headline figures.
 """
@@ -51,8 +62,9 @@ from typing import Any, ClassVar
 import smoke_mode
 import torch
 from clocked_engines import BatchLevelEngine, ClockedEngine
+from direct_engine import decode_speed, replay
 from pydantic import Field
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from rollout_svc.agent_loop import AgentLoop, PromptSpec, RolloutLimits
 from rollout_svc.config import RolloutConfig
@@ -60,6 +72,7 @@ from rollout_svc.engines.base import Engine, SamplingParams
 from rollout_svc.engines.hf import HfEngine, HfEngineOptions
 from rollout_svc.engines.server_process import LaunchOptions
 from rollout_svc.engines.sglang import SglangEngine, SglangEngineOptions
+from rollout_svc.engines.vllm import VllmEngine, VllmEngineOptions
 from rollout_svc.parsers import PARSERS
 from rollout_svc.service import RolloutService
 from rollout_svc.tool_client import ToolClient
@@ -219,6 +232,7 @@ class Rollouts:
         # engine in (b), and raise the efficiency it is meant to judge.
         no_waits = calculator_prompts(len(prompts), None)
         no_wait = await self.run(self.service(ClockedEngine(self.engine), len(prompts)), no_waits)
+        direct_seconds, direct_same_tokens = await replay(self.engine, no_wait[1])
         by_id = {prompt.prompt_id: prompt for prompt in prompts}
         waits = {t.group_id: self._drawn_waits(t, by_id[t.group_id]) for t in request[1]}
         # Tool waits only: (a) waits for each round's slowest call, (b) for the trajectory
@@ -237,6 +251,8 @@ class Rollouts:
             "engine_busy_batch_level_seconds": batch_engine.busy_seconds,
             "engine_busy_request_level_seconds": request_busy_seconds,
             "no_tool_wait_seconds": no_wait[0],
+            "direct_engine_seconds": direct_seconds,
+            "direct_same_tokens": direct_same_tokens,
             "longest_trajectory_alone_seconds": max(alone_seconds),
             "tool_wait_speedup_ceiling": batch_wait / request_wait,
             "tool_calls": sum(t.metrics["tool_calls"] for t in request[1]),
@@ -259,61 +275,6 @@ def _token_ids(trajectories: list[Trajectory]) -> dict[str, list[int]]:
     }
 
 
-async def decode_speed(
-    model_path: str, prompt_ids: list[list[int]], pad_token_id: int, new_tokens: int, repeats: int
-) -> dict[str, float]:
-    """Tokens/s of the hf engine and of `model.generate` on one batch, greedy, every row
-    decoding `new_tokens` tokens, best of `repeats`; and the share of rows that agree."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    # No row may stop early in either, so both decode the same number of tokens.
-    model.config.eos_token_id = model.generation_config.eos_token_id = None
-    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
-    engine = HfEngine(model, HfEngineOptions(max_batch_size=len(prompt_ids)), MAX_MODEL_LEN)
-    engine_seconds = math.inf
-    try:
-        await engine.generate(prompt_ids[0], sampling, "warm-up")
-        for repeat in range(repeats):
-            started = time.perf_counter()
-            outputs = await asyncio.gather(
-                *(
-                    engine.generate(ids, sampling, f"{repeat}/{i}")
-                    for i, ids in enumerate(prompt_ids)
-                )
-            )
-            engine_seconds = min(engine_seconds, time.perf_counter() - started)
-    finally:
-        await engine.close()
-    width = max(len(ids) for ids in prompt_ids)
-    input_ids = torch.tensor([[pad_token_id] * (width - len(ids)) + ids for ids in prompt_ids])
-    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids])
-
-    def generate(max_new_tokens: int) -> torch.Tensor:
-        with torch.no_grad():
-            return model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=pad_token_id,
-            )[:, width:]
-
-    await asyncio.to_thread(generate, 2)  # warm-up
-    generate_seconds = math.inf
-    for _ in range(repeats):
-        started = time.perf_counter()
-        generated = await asyncio.to_thread(generate, new_tokens)
-        generate_seconds = min(generate_seconds, time.perf_counter() - started)
-    assert all(len(output.output_ids) == new_tokens for output in outputs)
-    assert generated.shape == (len(prompt_ids), new_tokens)
-    tokens = len(prompt_ids) * new_tokens
-    agree = sum(o.output_ids == row.tolist() for o, row in zip(outputs, generated, strict=True))
-    return {
-        "hf_engine_tokens_per_s": tokens / engine_seconds,
-        "model_generate_tokens_per_s": tokens / generate_seconds,
-        "decode_rows_agreeing": agree / len(prompt_ids),
-    }
-
-
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=64, help="trajectories per rollout")
@@ -329,10 +290,10 @@ async def main() -> None:
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument(
         "--engine",
-        choices=["hf", "sglang"],
+        choices=["hf", "vllm", "sglang"],
         default="hf",
-        help="sglang: the rollouts on an SGLang server the engine launches (a GPU), with no "
-        "decode comparison",
+        help="vllm, sglang: the rollouts on a vLLM (CPU here) or SGLang (a GPU) server the "
+        "engine launches from --engine-python, with no decode comparison",
     )
     parser.add_argument(
         "--engine-python",
@@ -340,6 +301,7 @@ async def main() -> None:
         help="the interpreter of the engine's environment (make engine-env)",
     )
     parser.add_argument("--sglang-args", default="--dtype bfloat16 --disable-cuda-graph")
+    parser.add_argument("--vllm-args", default="--dtype float32")
     parser.add_argument(
         "--model",
         choices=["multi-call", "demo"],
@@ -385,7 +347,7 @@ async def main() -> None:
                 await rollouts.tool_client.close()
     finally:
         await engine.close()
-    if args.engine == "sglang":  # the decode comparison is the hf engine's
+    if args.engine != "hf":  # the decode comparison is the hf engine's
         print_report(args, draws, {})
         return
     decode_prompts = await asyncio.to_thread(
@@ -395,16 +357,27 @@ async def main() -> None:
         ]
     )
     decode = await decode_speed(
-        model_path, decode_prompts, tokenizer.pad_token_id, args.decode_tokens, args.decode_repeats
+        model_path,
+        MAX_MODEL_LEN,
+        decode_prompts,
+        tokenizer.pad_token_id,
+        args.decode_tokens,
+        args.decode_repeats,
     )
     print_report(args, draws, decode)
 
 
 async def start_engine(args: argparse.Namespace, model_path: str) -> Engine:
-    """The hf engine, batching every trajectory, or an SGLang server of the same model."""
+    """The hf engine, batching every trajectory, or a vLLM or SGLang server of the model."""
     if args.engine == "hf":
         options = HfEngineOptions(max_batch_size=args.prompts)
         return await HfEngine.create(options, model_path, MAX_MODEL_LEN)
+    if args.engine == "vllm":
+        launch = LaunchOptions(
+            port=0, python=args.engine_python, extra_args=tuple(shlex.split(args.vllm_args))
+        )
+        options = VllmEngineOptions(launch=launch, cpu_kv_cache_space_gib=1)
+        return await VllmEngine.create(options, model_path, MAX_MODEL_LEN)
     launch = LaunchOptions(
         port=0,
         python=args.engine_python,
@@ -447,7 +420,9 @@ def print_report(args: argparse.Namespace, draws: list[dict], decode: dict[str, 
         )
         print(f"{index:>4}" + "".join(f"{value:>10.2f}" for value in row))
     request_seconds = mean("request_level_seconds")
+    model_tokens = mean("model_tokens")
     figures = {
+        "engine": args.engine,
         "speedup": mean("batch_level_seconds") / request_seconds,
         "efficiency_vs_bound": sum(map(bound, draws)) / len(draws) / request_seconds,
         "batch_level_seconds": mean("batch_level_seconds"),
@@ -459,8 +434,12 @@ def print_report(args: argparse.Namespace, draws: list[dict], decode: dict[str, 
         "no_tool_wait_seconds": mean("no_tool_wait_seconds"),
         "longest_trajectory_alone_seconds": mean("longest_trajectory_alone_seconds"),
         "tool_wait_speedup_ceiling": mean("tool_wait_speedup_ceiling"),
+        "rollout_tokens_per_s": model_tokens / mean("no_tool_wait_seconds"),
+        "direct_tokens_per_s": model_tokens / mean("direct_engine_seconds"),
+        "service_cost": mean("no_tool_wait_seconds") / mean("direct_engine_seconds"),
+        "direct_same_tokens": all(draw["direct_same_tokens"] for draw in draws),
         "tool_calls_per_rollout": mean("tool_calls"),
-        "model_tokens_per_rollout": mean("model_tokens"),
+        "model_tokens_per_rollout": model_tokens,
         "same_tokens_both_modes": all(draw["same_tokens"] for draw in draws),
         **decode,
     }
@@ -468,6 +447,12 @@ def print_report(args: argparse.Namespace, draws: list[dict], decode: dict[str, 
         f"all draws: speedup {figures['speedup']:.2f}x, efficiency vs bound "
         f"{figures['efficiency_vs_bound']:.2f}, same tokens in both modes "
         f"{figures['same_tokens_both_modes']}"
+    )
+    print(
+        f"{args.engine} engine, no tool wait: {figures['rollout_tokens_per_s']:.0f} tokens/s "
+        f"through the service, {figures['direct_tokens_per_s']:.0f} tokens/s driven directly "
+        f"(service cost {figures['service_cost']:.2f}x, same tokens "
+        f"{figures['direct_same_tokens']})"
     )
     if decode:
         print(

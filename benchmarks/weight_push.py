@@ -3,14 +3,15 @@
 Builds a random Qwen3 of about 64M parameters (width 512, 12 layers, MLP 2048, vocabulary
 32000, tied embeddings: 243 MiB of fp32) and starts `turnrl serve rollout` on it as its own
 process (hf engine, fp32). From this process, a WeightPusher (gloo, one replica) pushes random
-fp32 tensors of the model's parameter shapes `--pushes` times after one warm-up; a push is the
-whole of `WeightPusher.push`: Pause, UpdateWeights with the bucketed broadcast, the engine's
-load, Resume. The tensors are packed into the push layout (`BucketedWeights`) once, as the
-trainer's gather of its full state dict does before each push; that copy is timed on its own.
-The warm-up push is the one in which the engine moves its parameters into that layout. One
-gRPC-fallback push (PushWeights stream) is timed as well. The reference is a raw gloo broadcast
-of one flat buffer of the same size from this process to a second one (buffers allocated once,
-each broadcast followed by a barrier), timed just before each push, so that both see the same
+fp32 tensors of the model's parameter shapes `--pushes` times after one warm-up. A timed push
+is what the trainer does for each push once it has gathered its weights: `BucketedWeights.pack`
+into the last push's memory, then the whole of `WeightPusher.push` (Pause, UpdateWeights with
+the bucketed broadcast, the engine's load, Resume); pack copies bucket k + 1 while bucket k is
+sent. The warm-up push is the one in which the engine moves its parameters into the push
+layout. The pause alone (Pause to Resume) and the copy alone (pack, waited for) are timed too,
+and one gRPC-fallback push (PushWeights stream). The reference is a raw gloo broadcast of one
+flat buffer of the same size from this process to a second one (buffers allocated once, each
+broadcast followed by a barrier), timed just before each push, so that both see the same
 machine: the figures are medians of the pairs.
 
     .venv/bin/python benchmarks/weight_push.py [--pushes 9] [--bucket-mib 100] [--layers 12]
@@ -60,29 +61,41 @@ GIB = 2**30
 RAW_TIMEOUT = datetime.timedelta(seconds=120)
 
 
-async def time_pushes(address: str, weights: BucketedWeights, args: argparse.Namespace) -> dict:
-    """Median seconds of `--pushes` broadcast pushes after a warm-up, each just after a raw
-    broadcast of the same size, and of one gRPC push."""
+async def time_pushes(address: str, tensors: dict, args: argparse.Namespace) -> dict:
+    """Median seconds of `--pushes` packs and broadcast pushes after a warm-up, each just
+    after a raw broadcast of the same size, of their pauses alone, and of one gRPC push."""
+    bucket_size_bytes = args.bucket_mib * 1024 * 1024
+    weights = BucketedWeights.pack(tensors.items(), bucket_size_bytes)
+    weights.wait_packed()
     raw = await asyncio.to_thread(RawBroadcast, weights.nbytes, args.pushes + 1)
     async with rpc.open_channel(ClientConfig(address=address)) as channel:
         stubs = [rollout_pb2_grpc.RolloutServiceStub(channel)]
         pusher = await WeightPusher.connect(stubs, timeout_seconds=60)
         assert pusher.mode == "broadcast", "the weight-sync group did not form"
         try:
-            push_seconds, raw_seconds = [], []
+            push_seconds, pause_seconds, raw_seconds = [], [], []
             for version in range(1, args.pushes + 2):
                 raw_seconds.append(await asyncio.to_thread(raw.once))
-                push_seconds.append((await pusher.push(weights, version)).seconds)
+                started = time.perf_counter()
+                weights = BucketedWeights.pack(
+                    tensors.items(), bucket_size_bytes, reuse=weights.data
+                )
+                pause_seconds.append((await pusher.push(weights, version)).seconds)
+                push_seconds.append(time.perf_counter() - started)
         finally:
             pusher.close()
             raw.close()
-        print("broadcast pushes, seconds each:", " ".join(f"{s:.3f}" for s in push_seconds))
-        print("raw broadcasts, seconds each:  ", " ".join(f"{s:.3f}" for s in raw_seconds))
+        print("pack + push, seconds each:   ", " ".join(f"{s:.3f}" for s in push_seconds))
+        print("raw broadcasts, seconds each:", " ".join(f"{s:.3f}" for s in raw_seconds))
         fallback = await WeightPusher.connect(stubs, mode="grpc")
         grpc_result = await fallback.push(weights, args.pushes + 2)
     return {
         "push_s": statistics.median(push_seconds[1:]),
+        "pause_s": statistics.median(pause_seconds[1:]),
         "raw_s": statistics.median(raw_seconds[1:]),
+        "fraction_of_raw": statistics.median(
+            raw / push for raw, push in zip(raw_seconds[1:], push_seconds[1:], strict=True)
+        ),
         "warmup_s": push_seconds[0],
         "grpc_s": grpc_result.seconds,
     }
@@ -90,12 +103,14 @@ async def time_pushes(address: str, weights: BucketedWeights, args: argparse.Nam
 
 def time_packing(tensors: dict, bucket_size_bytes: int, repeats: int) -> float:
     """Median seconds to copy the tensors into the push layout, into memory kept from the last
-    time, as the trainer's gather does before every push (the trainer side's one copy)."""
+    time, as the trainer does before every push (the trainer side's one copy), alone."""
     weights = BucketedWeights.pack(tensors.items(), bucket_size_bytes)
+    weights.wait_packed()
     seconds = []
     for _ in range(repeats):
         started = time.perf_counter()
         weights = BucketedWeights.pack(tensors.items(), bucket_size_bytes, reuse=weights.data)
+        weights.wait_packed()
         seconds.append(time.perf_counter() - started)
     return statistics.median(seconds)
 
@@ -177,7 +192,6 @@ async def main() -> None:
         size_bytes = sum(t.nbytes for t in tensors.values())
         print(f"{size_bytes / 1e6 / 4:.1f}M parameters, {size_bytes / 2**20:.0f} MiB of fp32")
         bucket_size_bytes = args.bucket_mib * 1024 * 1024
-        weights = BucketedWeights.pack(tensors.items(), bucket_size_bytes)
         nowhere = "127.0.0.1:1"  # a weight push calls no tool or reward service
         rollout = served(
             "rollout", f"rollout.model_path={model_dir}",
@@ -185,26 +199,28 @@ async def main() -> None:
             f"rollout.tool_service.address={nowhere}", f"rollout.reward_service.address={nowhere}",
         )  # fmt: skip
         async with rollout as (_, address):
-            timed = await time_pushes(address, weights, args)
+            timed = await time_pushes(address, tensors, args)
     raw_s = timed["raw_s"]
     push_gib_s, raw_gib_s = size_bytes / GIB / timed["push_s"], size_bytes / GIB / raw_s
     grpc_gib_s = size_bytes / GIB / timed["grpc_s"]
     pack_s = time_packing(tensors, bucket_size_bytes, args.pushes)
-    print(f"{'path':<34} {'seconds':>8} {'GiB/s':>7}")
-    print(
-        f"{'push (broadcast, bucket ' + str(args.bucket_mib) + ' MiB)':<34} {timed['push_s']:>8.3f} {push_gib_s:>7.2f}"
-    )
-    print(f"{'push (gRPC fallback)':<34} {timed['grpc_s']:>8.3f} {grpc_gib_s:>7.2f}")
-    print(f"{'raw gloo broadcast, one buffer':<34} {raw_s:>8.3f} {raw_gib_s:>7.2f}")
-    print(
-        f"{'pack into the push layout (trainer)':<34} {pack_s:>8.3f} {size_bytes / GIB / pack_s:>7.2f}"
-    )
+    rows = [
+        (f"pack + push (broadcast, bucket {args.bucket_mib} MiB)", timed["push_s"]),
+        ("  of which paused (Pause to Resume)", timed["pause_s"]),
+        ("push (gRPC fallback)", timed["grpc_s"]),
+        ("raw gloo broadcast, one buffer", raw_s),
+        ("pack alone (trainer)", pack_s),
+    ]
+    print(f"{'path':<42} {'seconds':>8} {'GiB/s':>7}")
+    for name, seconds in rows:
+        print(f"{name:<42} {seconds:>8.3f} {size_bytes / GIB / seconds:>7.2f}")
     figures = {
         "push_gib_s": round(push_gib_s, 3),
         "raw_gib_s": round(raw_gib_s, 3),
-        "fraction_of_raw": round(push_gib_s / raw_gib_s, 3),
+        "fraction_of_raw": round(timed["fraction_of_raw"], 3),
         "grpc_gib_s": round(grpc_gib_s, 3),
         "push_s": round(timed["push_s"], 4),
+        "pause_s": round(timed["pause_s"], 4),
         "raw_s": round(raw_s, 4),
         "warmup_push_s": round(timed["warmup_s"], 4),
         "pack_s": round(pack_s, 4),

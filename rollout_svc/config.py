@@ -35,8 +35,11 @@ class RolloutConfig(StrictModel):
         description="Copies of this service `turnrl up`/`run` start (as local processes or Ray "
         "actors); its callers spread their calls over them (the trainer's rollout router, by load).",
     )
-    engine: Literal["hf", "sglang"] = Field(
-        default="hf", description="Inference engine: hf (transformers, CPU) or sglang (GPU)."
+    engine: Literal["hf", "sglang", "vllm"] = Field(
+        default="hf",
+        description="Inference engine: hf (transformers, CPU), sglang (GPU) or vllm (GPU, or "
+        "CPU with vLLM's CPU build); sglang and vllm run from their own environments "
+        "(`make engine-env`).",
     )
     model_path: str | None = Field(
         default=None,
@@ -48,8 +51,9 @@ class RolloutConfig(StrictModel):
     engine_options: dict[str, Any] = Field(
         default_factory=dict,
         description="Options of the engine, passed through and validated by it (HfEngineOptions, "
-        "SglangEngineOptions). The model and its context are `model_path` and `max_model_len`, "
-        "which the service hands to the engine; they are not engine options.",
+        "SglangEngineOptions, VllmEngineOptions). The model and its context are `model_path` "
+        "and `max_model_len`, which the service hands to the engine; they are not engine "
+        "options.",
     )
     tokenizer_path: str | None = Field(
         default=None, description="Tokenizer folder; None: the model's own folder."

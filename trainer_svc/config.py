@@ -288,7 +288,8 @@ class WeightSyncConfig(StrictModel):
         "sets the node's address.",
     )
     bucket_size_mb: int = Field(default=100, gt=0, description="Broadcast bucket size, in MiB.")
-    timeout_seconds: float = Field(default=120.0, gt=0, description="Group set-up deadline.")
+    # Every member takes it (InitWeightSync), but SGLang servers: their API takes none.
+    timeout_seconds: float = Field(default=120.0, gt=0, description="Group timeout, seconds.")
 
 
 class AsyncLoopConfig(StrictModel):

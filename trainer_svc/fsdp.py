@@ -131,6 +131,21 @@ def lr_factor(step: int, settings: TrainSettings) -> float:
     return settings.min_lr_ratio + (1.0 - settings.min_lr_ratio) * cosine
 
 
+def tied_aliases(model: torch.nn.Module) -> set[str]:
+    """The names under which `model` holds a parameter it holds under an earlier name: a tied
+    output layer (`lm_head.weight`, which is `model.embed_tokens.weight`). A push leaves them
+    out. Hugging Face checkpoints keep the first name only, and so every engine loads that one:
+    SGLang and vLLM check updates against the checkpoint, and vLLM's loader loads the first
+    name it reaches. FSDP's full state dict gathers each name into a tensor of its own, so the
+    tensors no longer show the tie; the model's parameters still do."""
+    first_names: dict[int, str] = {}
+    aliases = set()
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if first_names.setdefault(id(parameter), name) != name:
+            aliases.add(name)
+    return aliases
+
+
 class FsdpModel:
     """A transformers model with AdamW and its LR schedule, sharded over several ranks: what the
     policy and the critic share. Subclasses load the model and define its forward pass.
@@ -383,13 +398,21 @@ class FsdpPolicy(FsdpModel):
         self, bucket_size_bytes: int, reuse: BucketedWeights | None = None
     ) -> BucketedWeights | None:
         """The unsharded fp32 weights on CPU, laid out for a push in buckets of
-        `bucket_size_bytes` (in `reuse`'s memory when given and large enough). Under FSDP only
-        rank 0 gets them; other ranks get None."""
+        `bucket_size_bytes` (in `reuse`'s memory when given and large enough), still being
+        copied in on return (`BucketedWeights.pack`): under FSDP the copy reads a gathered
+        state dict of its own; in a plain process the live parameters, which the next step
+        changes only after the push. A tied parameter goes once, under its first name
+        (`tied_aliases`). Under FSDP only rank 0 gets them; other ranks get None."""
         state = get_model_state_dict(self.model, options=FULL_ON_CPU)
         if self.rank != 0:
             return None
+        aliases = tied_aliases(self.model)
+        if reuse is not None:
+            reuse.wait_packed()  # its memory is rewritten next
         return BucketedWeights.pack(
-            state.items(), bucket_size_bytes, reuse=None if reuse is None else reuse.data
+            [(name, tensor) for name, tensor in state.items() if name not in aliases],
+            bucket_size_bytes,
+            reuse=None if reuse is None else reuse.data,
         )
 
     def save_pretrained(self, folder: str | Path, tokenizer_dir: str | Path | None = None) -> None:

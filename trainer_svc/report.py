@@ -13,7 +13,6 @@ import matplotlib
 matplotlib.use("Agg")  # files only; the service has no display
 
 import matplotlib.pyplot as plt
-import wandb
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -60,6 +59,11 @@ class RunReport:
         path = run_dir / METRICS_FILE
         self.history = _read_history(path, resumed_step) if resumed_step is not None else []
         path.write_text("".join(json.dumps(record) + "\n" for record in self.history))
+        # Imported here, not at the top: modules that only name the plots (the SFT warm start,
+        # the tiny model's build) then run without wandb, as on the GPU machine, which gets
+        # turnrl's dependencies as wheels within 64 MiB (scripts/gpu_wheels.sh).
+        import wandb
+
         self._wandb = wandb.init(
             project="turnrl",
             name=run_name,

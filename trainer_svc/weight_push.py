@@ -6,7 +6,8 @@ its): this process hosts the group's TCPStore and joins as rank 0 while each rep
 through InitWeightSync with the ranks it asks for (GetStats' `weight_sync_ranks`: one for an hf
 replica, an SGLang server's tensor-parallel size), in order. `push` pauses every replica, sends
 one update, and resumes them, also when the push fails. An update is `BucketedWeights`, the
-tensors already laid out as they travel: one broadcast per bucket, straight from its memory,
+tensors laid out as they travel: one broadcast per bucket, straight from its memory as soon
+as `BucketedWeights.pack` has copied it in (the copy of the next bucket runs meanwhile),
 or one per tensor when a member receives only that (an SGLang server), while every replica's
 UpdateWeights call receives it; when no group could be formed, a PushWeights stream of chunks
 to each replica.
@@ -16,6 +17,7 @@ step: the group is dropped and later pushes go over gRPC.
 """
 
 import asyncio
+import contextlib
 import datetime
 import logging
 import time
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 from google.protobuf import duration_pb2
 
+from trainer_svc.config import WeightSyncConfig
 from turnrl import errors
 from turnrl.v1 import rollout_pb2, rollout_pb2_grpc
 from turnrl.weight_group import broadcast, form_group, host_store, leave_group
@@ -62,7 +65,9 @@ class WeightPusher:
     """Rank 0 of the weight-sync group with a fixed list of rollout replicas. Build it with
     `await WeightPusher.connect(stubs, ...)`; `mode` says how pushes travel."""
 
-    def __init__(self, stubs: Sequence[rollout_pb2_grpc.RolloutServiceStub], device: str) -> None:
+    def __init__(
+        self, stubs: Sequence[rollout_pb2_grpc.RolloutServiceStub], device: torch.device
+    ) -> None:
         self._stubs = list(stubs)
         self._device = device
         self._group: dist.ProcessGroup | None = None
@@ -82,19 +87,23 @@ class WeightPusher:
         master_address: str = "127.0.0.1",
         master_port: int = 0,
         group_name: str = "turnrl-weights",
-        timeout_seconds: float = 60.0,
+        timeout_seconds: float = WeightSyncConfig().timeout_seconds,
         mode: Literal["broadcast", "grpc"] = "broadcast",
     ) -> Self:
         """Forms the group with every replica (`mode="grpc"` skips it); `master_port` 0 picks
         a free port. When the group cannot be formed within `timeout_seconds` (a replica's
-        error, a timeout), logs why and pushes over gRPC; that takes up to the whole timeout."""
+        error, a timeout), logs why and pushes over gRPC; that takes up to the whole timeout.
+
+        `timeout_seconds` (the run's `weight_sync.timeout_seconds`) is the group's timeout at
+        every member: this process's store and rank, and each replica's ranks, which
+        InitWeightSync gives it. It bounds the group's forming and each of its broadcasts."""
         if backend not in BACKENDS:
             raise errors.InvalidArgumentError(f"backend {backend!r} is not one of {list(BACKENDS)}")
         if mode not in ("broadcast", "grpc"):
             raise errors.InvalidArgumentError(f"mode {mode!r} is not 'broadcast' or 'grpc'")
         if not rollout_stubs:
             raise errors.InvalidArgumentError("no rollout replicas to push weights to")
-        pusher = cls(rollout_stubs, "cuda" if backend == "nccl" else "cpu")
+        pusher = cls(rollout_stubs, push_device(backend))
         if mode == "broadcast":
             try:
                 pusher._group, pusher._layout = await pusher._form_group(
@@ -109,10 +118,15 @@ class WeightPusher:
         self, weights: BucketedWeights, policy_version: int, *, timeout_seconds: float = 300.0
     ) -> PushResult:
         """Pauses every replica, sends `weights` (build them with `BucketedWeights.pack`, in
-        bfloat16 to halve the bytes, float32 to keep them exact), checks that every replica
-        took `policy_version`, and resumes them. Raises FailedPreconditionError, before sending
-        anything, when `policy_version` is not newer than a replica's; a replica's error as the
-        turnrl error of its status code, naming the replica."""
+        bfloat16 to halve the bytes, float32 to keep them exact; the replicas are paused once
+        pack has copied the first bucket in, and each bucket goes as soon as it is in), checks
+        that every replica took `policy_version`, and resumes them. Returns, or raises, once
+        pack has read the tensors it packs. Raises
+        FailedPreconditionError, before sending anything, when `policy_version` is not newer
+        than a replica's; a replica's error as the turnrl error of its status code, naming the
+        replica."""
+        # Nothing can be sent before the first bucket is in: it is copied before the pause.
+        await asyncio.to_thread(weights.wait_packed, 0)
         started = time.perf_counter()
         try:
             paused = await _all(
@@ -129,6 +143,10 @@ class WeightPusher:
             replies = await send(weights, policy_version, timeout_seconds)
         finally:
             resume_failure = await self._resume_all()
+            # A push that failed before sending every bucket: pack may still be copying. (A
+            # copy that failed has failed the push already.)
+            with contextlib.suppress(RuntimeError):
+                await asyncio.to_thread(weights.wait_packed)
         if resume_failure is not None:
             raise resume_failure
         versions = [reply.policy_version for reply in replies]
@@ -224,11 +242,31 @@ class WeightPusher:
         return replies
 
     def _send_buckets(self, weights: BucketedWeights) -> None:
-        """Broadcasts the buckets in order, each from where it lies, whole or tensor by tensor
-        as the group's layout says (in a worker thread)."""
-        for index in range(len(weights.buckets)):
-            for piece in weights.broadcast_pieces(index, self._layout):
-                broadcast(self._group, piece.to(self._device))
+        """Broadcasts the buckets in order, each as soon as pack has copied it in, from where
+        it lies, whole or tensor by tensor as the group's layout says (in a worker thread).
+        Over NCCL each piece is copied to the GPU on a stream of its own, so that the copy of
+        piece k + 1 runs while piece k is broadcast: on the sending stream it would wait for
+        that broadcast, which `broadcast`'s wait puts before whatever that stream does next.
+        (The NCCL path is untested on the CPU-only machines the tests run on.)"""
+        pieces = (
+            piece
+            for index in range(len(weights.buckets))
+            for piece in weights.broadcast_pieces(index, self._layout)
+        )
+        if self._device.type == "cpu":
+            for piece in pieces:
+                broadcast(self._group, piece)
+            return
+        copying = torch.cuda.Stream(self._device)
+        sending = torch.cuda.current_stream(self._device)
+        for piece in pieces:
+            with torch.cuda.stream(copying):
+                on_device = piece.to(self._device, non_blocking=True)
+            sending.wait_stream(copying)
+            # Made on the copying stream, read by the sending one: without this, the next
+            # piece's copy could reuse its memory before NCCL has sent it.
+            on_device.record_stream(sending)
+            broadcast(self._group, on_device)
 
     async def _stream(
         self, weights: BucketedWeights, policy_version: int, timeout_seconds: float
@@ -236,6 +274,7 @@ class WeightPusher:
         header = rollout_pb2.PushWeightsHeader(
             tensors=[meta.to_proto() for meta in weights.metas], policy_version=policy_version
         )
+        await asyncio.to_thread(weights.wait_packed)  # the chunks are read on the event loop
 
         async def requests() -> AsyncIterator[rollout_pb2.PushWeightsRequest]:
             yield rollout_pb2.PushWeightsRequest(header=header)
@@ -268,6 +307,16 @@ class WeightPusher:
     def _drop_group(self, reason: str) -> None:
         log.warning("dropping the weight-sync group (%s); pushing as gRPC streams from now", reason)
         self.close()
+
+
+def push_device(backend: str) -> torch.device:
+    """Where rank 0 broadcasts from: CPU for gloo; for NCCL, this trainer rank's own GPU, the
+    node's GPU of LOCAL_RANK, as `FsdpModel` picks it. Not plain "cuda": that is the calling
+    thread's current device, cuda:0 in a fresh thread (collectives run in one), which may be a
+    rollout server's GPU, and NCCL refuses two ranks of a group on one device."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    return torch.device("cuda", dist.get_node_local_rank(fallback_rank=0))
 
 
 def group_layout(layouts: Sequence[int]) -> str:

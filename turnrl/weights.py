@@ -4,13 +4,15 @@ trainer (sender) and every rollout engine (receiver) must agree byte for byte.
 A push sends tensors in spec order, in flat buckets of at most `bucket_size_bytes` (a tensor
 larger than that gets a bucket of its own), one broadcast per bucket: far more bytes per
 second than one per tensor, which is what SGLang receives (`LAYOUTS`' per_tensor; the same
-memory, each tensor broadcast from where it lies). Inside a bucket every tensor starts at a multiple of 64 bytes, so
-a bucket's bytes can be the tensors themselves: `BucketedWeights` keeps an update in exactly
-that layout. The trainer gathers its weights into one and broadcasts its buckets as they lie,
-and an engine whose parameters live in one receives the broadcast straight into them; no side
-packs or unpacks.
+memory, each tensor broadcast from where it lies). Inside a bucket every tensor starts at a
+multiple of 64 bytes, so a bucket's bytes can be the tensors themselves: `BucketedWeights`
+keeps an update in exactly that layout. The trainer copies its weights into one (`pack`, bucket
+by bucket in a thread of its own, so that a push sends each bucket while the next is copied)
+and broadcasts its buckets as they lie, and an engine whose parameters live in one receives
+the broadcast straight into them; no side packs or unpacks anything else.
 """
 
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Self
@@ -69,10 +71,13 @@ class TensorMeta:
 class BucketedWeights:
     """The tensors of one update in one flat uint8 buffer, laid out as they travel: bucket
     after bucket, each tensor at a 64-byte-aligned offset. `bucket(k)` is bucket k's bytes
-    (what one broadcast sends or receives), `tensor(i)` a typed view of tensor i in it.
+    (what one broadcast sends or receives), `tensor(i)` a typed view of tensor i in it. Of an
+    update `pack` is still copying in, every method that reads a bucket's bytes waits until
+    that bucket is in (on an event loop, await `asyncio.to_thread(weights.wait_packed)` first).
 
     `reuse` is a buffer to lay the update out in when it is large enough (an earlier update's
-    `data`): fresh memory costs a page fault per 4 KiB on its first write."""
+    `data`, once nothing reads or packs it any more): fresh memory costs a page fault per 4 KiB
+    on its first write."""
 
     def __init__(
         self,
@@ -88,6 +93,8 @@ class BucketedWeights:
         self.buckets = layout.buckets  # indices of `metas`, in order
         self._offsets = layout.offsets  # each tensor's first byte in `data`
         self._bounds = layout.bounds  # each bucket's first and past-last byte
+        self._bucket_of = [k for k, indices in enumerate(self.buckets) for _ in indices]
+        self._packing: _Packing | None = None  # the copy `pack` started, until it is done
         cursor = layout.nbytes
         device = torch.device(device)
         if reuse is not None and reuse.device == device and reuse.numel() >= cursor:
@@ -106,7 +113,12 @@ class BucketedWeights:
     ) -> Self:
         """`named_tensors` copied into a new layout on CPU, cast to `dtype` when given. A
         tensor that is an earlier one (tied embeddings) goes once, under the earlier name: the
-        receiving model ties them too."""
+        receiving model ties them too.
+
+        Returns as the copy starts: a thread copies the tensors in bucket by bucket, and what
+        reads a bucket waits for it, so a push sends bucket k while bucket k + 1 is copied. The
+        tensors are read until `wait_packed` returns: leave them unchanged until then
+        (`WeightPusher.push` returns after it)."""
         items, seen = [], set()
         for name, tensor in named_tensors:
             same = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
@@ -115,8 +127,7 @@ class BucketedWeights:
                 items.append((name, tensor.detach()))
         metas = [TensorMeta(name, dtype or t.dtype, tuple(t.shape)) for name, t in items]
         weights = cls(metas, bucket_size_bytes, reuse=reuse)
-        for index, (_, tensor) in enumerate(items):
-            weights.tensor(index).copy_(tensor)
+        weights._packing = _Packing(weights, [tensor for _, tensor in items])
         return weights
 
     @property
@@ -128,13 +139,21 @@ class BucketedWeights:
         """Whether an update of `metas` in buckets of `bucket_size_bytes` has this layout."""
         return bucket_size_bytes == self.bucket_size_bytes and list(metas) == self.metas
 
+    def wait_packed(self, bucket: int = -1) -> None:
+        """Returns once `pack` has copied bucket `bucket` (by default the last) and those
+        before it in, at once for an update it did not pack; raises its error if the copy
+        failed."""
+        if self.buckets:
+            self._wait_packed(range(len(self.buckets))[bucket])
+
     def bucket(self, index: int) -> torch.Tensor:
+        self._wait_packed(index)
         start, end = self._bounds[index]
         return self.data[start:end]
 
     def tensor(self, index: int) -> torch.Tensor:
-        meta, start = self.metas[index], self._offsets[index]
-        return self.data[start : start + meta.nbytes].view(meta.dtype).view(meta.shape)
+        self._wait_packed(self._bucket_of[index])
+        return self._place(index)
 
     def broadcast_pieces(self, bucket: int, layout: str) -> list[torch.Tensor]:
         """What bucket `bucket` travels as, one broadcast each, in `layout` (LAYOUTS): the
@@ -168,6 +187,18 @@ class BucketedWeights:
         indices = range(len(self.metas)) if bucket is None else self.buckets[bucket]
         return [(self.metas[i].name, self.tensor(i)) for i in indices]
 
+    def _place(self, index: int) -> torch.Tensor:
+        """Tensor `index`'s view, whether or not it has been copied in."""
+        meta, start = self.metas[index], self._offsets[index]
+        return self.data[start : start + meta.nbytes].view(meta.dtype).view(meta.shape)
+
+    def _wait_packed(self, bucket: int) -> None:
+        packing = self._packing
+        if packing is not None:
+            packing.wait(bucket)
+            if bucket == len(self.buckets) - 1:
+                self._packing = None  # every bucket is in
+
 
 def bucket_indices(metas: Sequence[TensorMeta], bucket_size_bytes: int) -> list[list[int]]:
     """Which of `metas` travel in each bucket of an update, as `BucketedWeights` lays them out,
@@ -184,6 +215,40 @@ def dtype_runs(metas: Sequence[TensorMeta], indices: Sequence[int]) -> list[list
         else:
             runs.append([index])
     return runs
+
+
+class _Packing:
+    """`BucketedWeights.pack`'s copy of the tensors into their places, bucket after bucket, in
+    a thread of its own (torch's copy releases the GIL, so it runs beside a broadcast)."""
+
+    def __init__(self, weights: BucketedWeights, tensors: list[torch.Tensor]) -> None:
+        self._changed = threading.Condition()
+        self._buckets_in = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._copy, args=(weights, tensors), name="turnrl-pack", daemon=True
+        )
+        self._thread.start()
+
+    def wait(self, bucket: int) -> None:
+        """Returns once bucket `bucket` and those before it are in; raises the copy's error."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._error is not None or self._buckets_in > bucket)
+            if self._error is not None:
+                raise RuntimeError(f"packing the weights failed: {self._error!r}") from self._error
+
+    def _copy(self, weights: BucketedWeights, tensors: list[torch.Tensor]) -> None:
+        try:
+            for bucket, indices in enumerate(weights.buckets):
+                for index in indices:
+                    weights._place(index).copy_(tensors[index])
+                with self._changed:
+                    self._buckets_in = bucket + 1
+                    self._changed.notify_all()
+        except BaseException as error:  # handed to every waiter
+            with self._changed:
+                self._error = error
+                self._changed.notify_all()
 
 
 class _Layout:

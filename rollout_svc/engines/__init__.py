@@ -9,8 +9,10 @@ from pydantic import BaseModel
 from rollout_svc.engines.hf import HfEngine
 from rollout_svc.engines.hf_options import HfEngineOptions
 from rollout_svc.engines.sglang import SglangEngine, SglangEngineOptions
+from rollout_svc.engines.vllm import VllmEngine, VllmEngineOptions
 
 ENGINES: dict[str, tuple[type, type[BaseModel]]] = {
     "hf": (HfEngine, HfEngineOptions),
     "sglang": (SglangEngine, SglangEngineOptions),
+    "vllm": (VllmEngine, VllmEngineOptions),
 }

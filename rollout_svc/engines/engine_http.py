@@ -68,10 +68,12 @@ class EngineHttp:
         timeout_seconds: float | None = None,
         idempotent: bool = False,
         rejected_error: type[TurnrlError] = InvalidArgumentError,
+        answered_statuses: tuple[int, ...] = (),
     ) -> httpx.Response:
         """Sends one request within `timeout_seconds` (default: the control timeout) and
-        returns its 200 answer; the errors are those of the module docstring, a refusal (HTTP
-        4xx but 429) as `rejected_error`.
+        returns its 200 answer, or one of `answered_statuses` for the caller to read; the
+        errors are those of the module docstring, a refusal (HTTP 4xx but 429) as
+        `rejected_error`.
 
         Not `turnrl.http_json.post_json`: several engine endpoints are GETs, take query
         parameters or answer with an empty or plain-text body.
@@ -99,6 +101,8 @@ class EngineHttp:
             raise UnavailableError(
                 f"{server} is unreachable for {method} {path} ({type(e).__name__}: {e})"
             ) from None
+        if response.status_code in answered_statuses:
+            return response
         if _is_retryable(response):
             raise UnavailableError(
                 f"{server} failed {method} {path}: HTTP {response.status_code} "

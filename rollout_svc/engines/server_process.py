@@ -78,6 +78,10 @@ async def start_server(
     process = await asyncio.create_subprocess_exec(
         *command,
         stdin=asyncio.subprocess.DEVNULL,
+        # Onto this process's stderr (fd 2): a launcher reads a service's stdout only until
+        # its address line, and a server logging a line per request there would fill the pipe
+        # and block.
+        stdout=2,
         env={**os.environ, **(env or {}), **launch.env},
         # Its own group, so close() can stop the server's worker processes too.
         start_new_session=True,

@@ -3,6 +3,7 @@ dtypes as SGLang takes them, and the replies it sends back, parsed (pydantic mod
 the engine returns.
 
 A reply of the wrong shape means an incompatible server: `EngineHttp.parse` raises RuntimeError.
+Paths in comments are those of the SGLang 0.5.23 wheel, under `sglang/srt/`.
 """
 
 from typing import Literal
@@ -11,6 +12,11 @@ import torch
 from pydantic import BaseModel
 
 from rollout_svc.engines.base import SamplingParams
+from rollout_svc.engines.weight_versions import (
+    WeightVersionSpan,
+    span_versions,
+    version_number,
+)
 from turnrl.errors import InvalidArgumentError
 
 
@@ -18,12 +24,6 @@ class FinishReasonReply(BaseModel):
     type: Literal["stop", "length", "abort"]
     matched: int | str | None = None
     message: str | None = None
-
-
-class WeightVersionSpan(BaseModel):
-    version: str
-    start: int
-    end: int
 
 
 class MetaInfo(BaseModel):
@@ -47,10 +47,14 @@ class ModelInfo(BaseModel):
 
 
 class ServerInfo(BaseModel):
-    """The parts of `/get_server_info` (the server's arguments) the engine reads."""
+    """The parts of `/get_server_info` (the server's arguments and its scheduler's limits,
+    `utils/common.py` build_server_info) the engine reads."""
 
     tp_size: int = 1
     dp_size: int = 1
+    # The longest prompt the scheduler admits is one token shorter (`managers/utils.py`
+    # validate_input_length); None from servers that do not report it.
+    max_req_input_len: int | None = None
 
 
 class WeightSyncReply(BaseModel):
@@ -58,10 +62,27 @@ class WeightSyncReply(BaseModel):
     message: str = ""
 
 
-def sampling_params(sampling: SamplingParams) -> dict:
-    """`sampling` as the `sampling_params` of a /generate request."""
+# The context SGLang's scheduler keeps back from `--context-length`: it admits prompts shorter
+# than context - 6 tokens (`managers/tp_worker.py`: max_req_len = context - 1, max_req_input_len
+# = max_req_len - 5; `managers/utils.py` validate_input_length) and ends a generation at
+# max_req_len - 1 tokens in all (`managers/scheduler.py` init_req_max_new_tokens).
+SCHEDULER_RESERVED_TOKENS = 6
+
+
+def sglang_rid(request_id: str) -> str:
+    """The `rid` under which turnrl's request `request_id` runs on the server. SGLang aborts
+    every request whose rid starts with the rid it is given (`managers/scheduler.py`
+    abort_request: `req.rid.startswith(recv_req.rid)`), so aborting "r1" would end "r10" too;
+    with its length in front, no rid of ours starts with another's."""
+    return f"{len(request_id)}:{request_id}"
+
+
+def sampling_params(sampling: SamplingParams, max_new_tokens: int) -> dict:
+    """`sampling` as the `sampling_params` of a /generate request, with `max_new_tokens` (at
+    most sampling's: SGLang refuses a request whose prompt and max_new_tokens together pass its
+    context, `managers/tokenizer_manager.py` _validate_one_request)."""
     params = {
-        "max_new_tokens": sampling.max_new_tokens,
+        "max_new_tokens": max_new_tokens,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k if sampling.top_k > 0 else -1,  # SGLang: -1 is off, 0 invalid
@@ -100,22 +121,9 @@ def token_versions(meta: MetaInfo, loaded_version: int) -> list[int]:
     reports them, else the version it reports at the end (or `loaded_version`) for all."""
     count = len(meta.output_token_logprobs)
     if meta.weight_versions:
-        versions = [
-            version_number(span.version)
-            for span in meta.weight_versions
-            for _ in range(span.end - span.start)
-        ]
+        versions = span_versions(meta.weight_versions)
         if len(versions) == count:
             return versions
     if meta.weight_version is not None:
         return [version_number(meta.weight_version)] * count
     return [loaded_version] * count
-
-
-def version_number(label: str | None) -> int:
-    """Our policy version from SGLang's weight_version label. Pushes label versions with their
-    number; any other label ("default") means the weights the server started with: 0."""
-    try:
-        return int(label or "0")
-    except ValueError:
-        return 0

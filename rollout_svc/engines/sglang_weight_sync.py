@@ -4,7 +4,25 @@ ranks) and receives each update on it, tensor by tensor (one `update_weights_fro
 call per bucket) or in flattened buckets where the server takes them; without a group
 (PushWeights), an update goes as a safetensors folder (`update_weights_from_disk`). Names and
 shapes are checked against the model's checkpoint first (`sglang_weights`), and each update
-names its `policy_version` as SGLang's `weight_version`.
+names its `policy_version` as SGLang's `weight_version`. (Paths below: the SGLang 0.5.23
+wheel's, under `sglang/srt/`.)
+
+Since SGLang 0.5.21 a distributed update runs inside a weight-update session: the server
+answers `update_weights_from_distributed` with success=false, before it receives anything,
+unless `/begin_weight_update` opened one (`managers/scheduler_components/weight_updater.py`
+update_weights_from_distributed), and the trainer's broadcast of that bucket would then wait
+for a receiver that never comes. So every update opens a session before its first bucket and
+closes it (`/end_weight_update`) after its last, and after a failure too: a failed bucket
+leaves the session open, and the server refuses to open another while one is. A server
+without the session routes (HTTP 404: a release before 0.5.21, which needs none) gets its
+updates without.
+
+The server's group has no timeout of turnrl's: `/init_weights_update_group` takes none
+(`managers/io_struct.py` InitWeightsUpdateGroupReqInput; unknown keys are dropped) and forms the
+group with torch's 30-minute default (`model_executor/model_runner_components/
+weight_updater.py` init_weights_update_group). A bucket the trainer never sends holds the
+server's scheduler that long; the engine gives up after `weight_sync_timeout_seconds`, the
+weights count as incomplete, and the next join destroys the group first.
 
 A weight call that fails may have loaded part of its tensors (SGLang: "the full weights of
 the ModelRunner are partially updated. Please discard the whole weights."): the weights count
@@ -17,7 +35,9 @@ import logging
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Literal
 
+import httpx
 import torch
 
 from rollout_svc.engines.engine_http import EngineHttp
@@ -54,6 +74,10 @@ class ServerWeights:
         self.policy_version = 0  # of the weights loaded; the server's own at start
         self.incomplete_update: int | None = None  # the Engine's `broken_push_version`
         self._group = ""  # the weight-sync group the server is in
+        # The server's weight-update session: "open" (ours), "closed", "unknown" (one may be
+        # open: left by a close that failed, or by an earlier client), or "unsupported" (the
+        # server has no session routes).
+        self._session: Literal["open", "closed", "unknown", "unsupported"] = "unknown"
         # The checkpoint's parameter shapes, read on the first update (None: not local).
         self._checkpoint_shapes: dict[str, tuple[int, ...]] | None = None
 
@@ -127,17 +151,21 @@ class ServerWeights:
         if layout == "flattened_buckets":
             calls = [run for bucket in calls for run in dtype_runs(metas, bucket)]
         self.incomplete_update = policy_version
-        for index, call in enumerate(calls):
-            last = index == len(calls) - 1
-            await self.update_from_distributed(
-                [metas[i].name for i in call],
-                [metas[i].dtype for i in call],
-                [metas[i].shape for i in call],
-                policy_version if last else self.policy_version,
-                group_name=group_name,
-                flush_cache=last,
-                flattened=layout == "flattened_buckets",
-            )
+        await self._open_session()
+        try:
+            for index, call in enumerate(calls):
+                last = index == len(calls) - 1
+                await self.update_from_distributed(
+                    [metas[i].name for i in call],
+                    [metas[i].dtype for i in call],
+                    [metas[i].shape for i in call],
+                    policy_version if last else self.policy_version,
+                    group_name=group_name,
+                    flush_cache=last,
+                    flattened=layout == "flattened_buckets",
+                )
+        finally:
+            await self._close_session()
 
     async def update_from_distributed(
         self,
@@ -153,7 +181,8 @@ class ServerWeights:
         """Has the server receive one bucket that the trainer broadcasts on the group, one
         broadcast per tensor in the order of `names` (or, `flattened`, one of them all end to
         end, one dtype), and take `policy_version`. The last call of an update flushes the
-        cache (`flush_cache`) and completes the update.
+        cache (`flush_cache`) and completes the update. A weight-update session is opened
+        before the first call of an update and closed after its last, or after a failure.
 
         Raises InvalidArgumentError when the three lists differ in length or a dtype is not a
         torch dtype, FailedPreconditionError when the version is older than the loaded one or
@@ -175,9 +204,18 @@ class ServerWeights:
         }
         if flattened:  # servers before the field reject it
             body["load_format"] = "flattened_bucket"
-        await self._change("/update_weights_from_distributed", body, policy_version, flush_cache)
+        await self._open_session()
+        try:
+            await self._change(
+                "/update_weights_from_distributed", body, policy_version, flush_cache
+            )
+        except BaseException:
+            await self._close_session()
+            raise
+        if flush_cache:
+            await self._close_session()
 
-    async def update_from_disk(
+    async def update_from_tensors(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], policy_version: int
     ) -> None:
         """Has the server load the tensors from a safetensors folder written for it (so it
@@ -206,6 +244,43 @@ class ServerWeights:
         if self._checkpoint_shapes:
             check_against_checkpoint(metas, self._checkpoint_shapes)
 
+    async def _open_session(self) -> None:
+        """Opens a weight-update session unless ours is open, after closing one that may be
+        open (SGLang opens no second one). A server without the route needs none."""
+        if self._session in ("open", "unsupported"):
+            return
+        if self._session == "unknown":
+            await self._weight_call(
+                "/end_weight_update", {}, self._control_timeout_seconds, refusal_ok=True
+            )
+        response = await self._weight_call(
+            "/begin_weight_update", {}, self._control_timeout_seconds, refusal_ok=True
+        )
+        if response.status_code == 404:
+            log.warning(
+                "%s has no /begin_weight_update (SGLang before 0.5.21): updating without "
+                "weight-update sessions",
+                self._http.name,
+            )
+            self._session = "unsupported"
+            return
+        self._check_success(response)  # refused: another's session is open
+        self._session = "open"
+
+    async def _close_session(self) -> None:
+        """Closes our weight-update session, if one is open. A failure is logged, not raised
+        (it must not hide the error of the update it follows); the next update closes the
+        session before it opens its own."""
+        if self._session != "open":
+            return
+        self._session = "unknown"
+        try:
+            await self._weight_call("/end_weight_update", {}, self._control_timeout_seconds)
+        except TurnrlError as e:
+            log.warning("could not close the weight-update session on %s: %s", self._http.name, e)
+            return
+        self._session = "closed"
+
     def _check_version(self, policy_version: int) -> None:
         if policy_version < self.policy_version:
             raise FailedPreconditionError(
@@ -223,17 +298,27 @@ class ServerWeights:
         if completes and policy_version >= self.incomplete_update:
             self.incomplete_update = None
 
-    async def _weight_call(self, path: str, body: dict, timeout_seconds: float) -> None:
+    async def _weight_call(
+        self, path: str, body: dict, timeout_seconds: float, refusal_ok: bool = False
+    ) -> httpx.Response:
         """POSTs to one of the weight endpoints, which answer {success, message}; raises
-        FailedPreconditionError, with the server's message, when it failed."""
+        FailedPreconditionError, with the server's message, when it failed, unless
+        `refusal_ok`: then a refusal (HTTP 400, or 404 for a route the server lacks) is
+        returned for the caller to read."""
         response = await self._http.call(
             "POST", path, body, timeout_seconds=timeout_seconds,
             rejected_error=FailedPreconditionError,
+            answered_statuses=(400, 404) if refusal_ok else (),
         )  # fmt: skip
+        if not refusal_ok:
+            self._check_success(response)
+        return response
+
+    def _check_success(self, response: httpx.Response) -> None:
         reply = self._http.parse(response, WeightSyncReply)
         if not reply.success:
             raise FailedPreconditionError(
-                f"{self._http.name} failed POST {path}: {reply.message!r}"
+                f"{self._http.name} failed POST {response.request.url.path}: {reply.message!r}"
             )
 
     async def _leave(self) -> None:

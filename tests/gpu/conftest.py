@@ -1,37 +1,75 @@
-"""The GPU tests (`tests/gpu/`, marked `gpu`): deselected by `make test`, run by `make test-gpu`
-on a machine with a CUDA device and SGLang installed in this project's Python (`pip install
-'.[sglang]'`). They fail, never skip, when either is missing.
+"""The GPU tests (`tests/gpu/`, marked `gpu`): deselected by `make test`, run by
+scripts/gpu_check.sh (`make test-gpu`) on a machine with a CUDA device. They fail, never skip,
+when what they need is missing. Every test needs `cuda`; the engine tests also need their
+engine importable by the interpreter that launches its server ($TURNRL_SGLANG_PYTHON,
+$TURNRL_VLLM_PYTHON; default: this one), and the FSDP tests need no engine.
 
 The model is $TURNRL_GPU_MODEL (a local Hugging Face folder, e.g. Qwen2.5-0.5B-Instruct) or the
-tests' tiny calculator model. With one GPU the SGLang server and the reference model share it
-and the weight-sync group uses gloo (NCCL refuses two ranks on one device); with two or more
-the reference sits on cuda:1 and the group uses NCCL, as in training.
+tests' tiny calculator model. Engine servers and the reference model sit on the last GPU;
+turnrl's own end of a weight-sync group (the trainer's rank 0) on cuda:0. With one GPU they
+share it and the group uses gloo (NCCL refuses two ranks on one device); with two or more the
+group uses NCCL, as in training.
 """
 
-import importlib.util
 import os
-from collections.abc import AsyncIterator
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from rollout_svc.engines.server_process import LaunchOptions
-from rollout_svc.engines.sglang import SglangEngine, SglangEngineOptions
+from rollout_svc.engines.sglang import SglangEngineOptions
+from rollout_svc.engines.sglang_api import SCHEDULER_RESERVED_TOKENS
+from rollout_svc.engines.vllm import VllmEngineOptions
 
-# Low enough a memory fraction that the reference copy fits on the same GPU.
+# Low enough memory fractions that the reference copy fits on the same GPU; no CUDA graphs,
+# whose capture would double a server's start-up.
 SGLANG_ARGS = ("--dtype", "bfloat16", "--mem-fraction-static", "0.5", "--disable-cuda-graph")
+VLLM_ARGS = ("--dtype", "bfloat16", "--gpu-memory-utilization", "0.4", "--enforce-eager")
 MAX_MODEL_LEN = 8192
 STARTUP_TIMEOUT_SECONDS = 900.0
+# Where the launched servers' interpreters are named.
+ENGINE_PYTHON_VARIABLES = {"sglang": "TURNRL_SGLANG_PYTHON", "vllm": "TURNRL_VLLM_PYTHON"}
 
 
 @pytest.fixture(scope="session")
 def cuda() -> None:
     if not torch.cuda.is_available():
-        pytest.fail("tests/gpu need a CUDA device; `make test` leaves them out")
-    if importlib.util.find_spec("sglang") is None:
-        pytest.fail("tests/gpu need SGLang in this Python: pip install '.[sglang]'")
+        pytest.fail("tests/gpu need a CUDA device; `make test` leaves them out", pytrace=False)
+
+
+def engine_python(engine: str) -> str:
+    """The interpreter that launches `engine`'s server; fails the test unless it imports the
+    engine's package."""
+    variable = ENGINE_PYTHON_VARIABLES[engine]
+    python = os.environ.get(variable) or sys.executable
+    try:
+        found = subprocess.run(
+            [python, "-c", f"import {engine}"], capture_output=True, text=True, timeout=300
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        pytest.fail(f"{variable}={python!r} cannot import {engine}: {e}", pytrace=False)
+    if found.returncode != 0:
+        last_line = (found.stderr.strip().splitlines() or ["(no output)"])[-1]
+        pytest.fail(
+            f"{variable}={python!r} cannot import {engine} ({last_line}); name the "
+            f"interpreter of an environment that has it (`make engine-env ENGINE={engine}`)",
+            pytrace=False,
+        )
+    return python
+
+
+@pytest.fixture(scope="session")
+def sglang_python(cuda) -> str:
+    return engine_python("sglang")
+
+
+@pytest.fixture(scope="session")
+def vllm_python(cuda) -> str:
+    return engine_python("vllm")
 
 
 @pytest.fixture(scope="session")
@@ -40,13 +78,30 @@ def gpu_model_dir(cuda, tiny_model_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def max_model_len(gpu_model_dir) -> int:
+    """The engines' max_model_len: within the model's own context, less what SGLang's
+    scheduler keeps back from the --context-length its engine asks for (servers refuse a
+    context longer than the model's)."""
+    context = AutoConfig.from_pretrained(gpu_model_dir).max_position_embeddings
+    return min(MAX_MODEL_LEN, context) - SCHEDULER_RESERVED_TOKENS
+
+
+@pytest.fixture(scope="session")
 def weight_sync_backend(cuda) -> str:
     return "nccl" if torch.cuda.device_count() > 1 else "gloo"
 
 
+def last_gpu() -> str:
+    """The last GPU as a child process's CUDA_VISIBLE_DEVICES names it: where servers run."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if visible:
+        return visible.split(",")[-1].strip()
+    return str(torch.cuda.device_count() - 1)
+
+
 @pytest.fixture(scope="session")
 def reference(gpu_model_dir) -> torch.nn.Module:
-    """The model in bf16 on the last GPU: what the engine's logprobs are checked against."""
+    """The model in bf16 on the last GPU: what the engines' logprobs are checked against."""
     device = f"cuda:{torch.cuda.device_count() - 1}"
     model = AutoModelForCausalLM.from_pretrained(gpu_model_dir, dtype=torch.bfloat16)
     return model.to(device).eval()
@@ -57,21 +112,23 @@ def tokenizer(gpu_model_dir):
     return AutoTokenizer.from_pretrained(gpu_model_dir)
 
 
-def sglang_options(**overrides) -> SglangEngineOptions:
-    """A server the engine launches itself: `python -m sglang.launch_server` on GPU 0."""
-    launch = LaunchOptions(port=0, extra_args=SGLANG_ARGS)
-    return SglangEngineOptions(
-        launch=launch, startup_timeout_seconds=STARTUP_TIMEOUT_SECONDS, **overrides
+def launch_options(python: str, extra_args: tuple[str, ...]) -> LaunchOptions:
+    """A server the engine launches itself from `python`, on the last GPU."""
+    return LaunchOptions(
+        python=python, port=0, extra_args=extra_args, env={"CUDA_VISIBLE_DEVICES": last_gpu()}
     )
 
 
-@pytest.fixture
-async def sglang(gpu_model_dir) -> AsyncIterator[SglangEngine]:
-    engine = await SglangEngine.create(sglang_options(), str(gpu_model_dir), MAX_MODEL_LEN)
-    try:
-        yield engine
-    finally:
-        await engine.close()
+def sglang_options(python: str) -> SglangEngineOptions:
+    return SglangEngineOptions(
+        launch=launch_options(python, SGLANG_ARGS), startup_timeout_seconds=STARTUP_TIMEOUT_SECONDS
+    )
+
+
+def vllm_options(python: str) -> VllmEngineOptions:
+    return VllmEngineOptions(
+        launch=launch_options(python, VLLM_ARGS), startup_timeout_seconds=STARTUP_TIMEOUT_SECONDS
+    )
 
 
 def encode(tokenizer, prompt: str) -> list[int]:

@@ -1,18 +1,19 @@
 """A stand-in SGLang server, for the SGLang engine tests.
 
-SGLang needs a GPU, so `SglangStandIn` implements the request and response shapes of SGLang's
-native HTTP API (`python/sglang/srt/entrypoints/http_server.py`, `managers/io_struct.py`) on
-loopback: a counter model decodes one token per step (or, given a local model folder, a real
-model samples: turnrl's hf engine behind SGLang's API), answers [logprob, token_id, text]
-triples and finish reasons, honours max_new_tokens and stop_token_ids, aborts by rid, pauses
-and continues, joins real weight-sync groups and receives the tensors broadcast on them (or
-written to disk) as SGLang does (`sglang_stand_in_weights`), and records every request so
-tests check the bodies the adapter sent. Run as a script, this module serves the stand-in on
-the --host and --port it is given, which is how the launch tests stand in for
-`python -m sglang.launch_server`.
+SGLang needs a GPU, so `SglangStandIn` implements the request and response shapes of SGLang
+0.5.23's native HTTP API (`sglang/srt/entrypoints/http_server.py`, `managers/io_struct.py`)
+on loopback: a counter model decodes one token per step (or, given a local model folder, a
+real model samples: turnrl's hf engine behind SGLang's API), answers [logprob, token_id, text]
+triples and finish reasons, honours max_new_tokens, stop_token_ids and its context length,
+refuses what 0.5.23 refuses with HTTP 400 (`sglang_stand_in_checks`), aborts every request
+whose rid starts with the one given, pauses and continues, joins real weight-sync groups with
+each of its tensor-parallel ranks and receives the tensors broadcast on them (or written to
+disk) inside weight-update sessions as 0.5.23 does (`sglang_stand_in_weights`), and records
+every request so tests check the bodies the adapter sent. Run as a script, this module serves
+the stand-in on the --host and --port it is given, refusing flags 0.5.23 does not define, which
+is how the launch tests stand in for `python -m sglang.launch_server`.
 """
 
-import argparse
 import asyncio
 import contextlib
 import sys
@@ -32,12 +33,14 @@ from starlette.routing import Route
 from rollout_svc.engines.base import FinishReason, SamplingParams
 from rollout_svc.engines.hf import HfEngine
 from rollout_svc.engines.hf_options import HfEngineOptions
+from tests.rollout_svc.sglang_stand_in_checks import (
+    RESERVED_TOKENS,
+    generate_refusal,
+    server_arguments,
+)
 from tests.rollout_svc.sglang_stand_in_weights import (
     WAIT_SECONDS,
-    join_as_sglang,
-    load_folder,
-    receive_flattened,
-    receive_per_tensor,
+    StandInWeights,
     spans_of,
     version_spans,
 )
@@ -47,16 +50,10 @@ from turnrl.errors import InvalidArgumentError
 VOCAB_SIZE = 1000
 
 EOS_TOKEN_ID = VOCAB_SIZE - 1
-# The keyword arguments of SGLang's SamplingParams that callers may set.
-SGLANG_SAMPLING_KEYS = {
-    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
-    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
-    "n", "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
-    "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
-    "logit_bias", "sampling_seed",
-}  # fmt: skip
-# The model the stand-in claims to serve, and the context the tests give the engine.
+# The model the stand-in claims to serve, its context (as a config.json would give it), and
+# the context the tests give the engine.
 MODEL_PATH = "stand-in/tiny-model"
+MODEL_CONTEXT_LENGTH = 2048
 MAX_MODEL_LEN = 64
 
 
@@ -93,12 +90,17 @@ class SglangStandIn:
         model_path: str = MODEL_PATH,
         argv: list[str] | None = None,
         model: HfEngine | None = None,
+        context_length: int | None = None,
+        tp_size: int = 1,
     ):
         """With `model` (an hf engine of `model_path`), /generate samples from a real model,
-        whose weights the weight updates replace; without, from the counter model."""
+        whose weights the weight updates replace; without, from the counter model.
+        `context_length` is --context-length (None: the model's), `tp_size` --tp-size."""
         self.model_path = model_path
         self.model = model
         self.argv = argv or []
+        self.context_length_flag = context_length
+        self.context_length = context_length or MODEL_CONTEXT_LENGTH
         self.url = ""
         self.requests: list[tuple[str, str, Any]] = []  # (method, path, JSON body)
         self.failures: dict[str, list[tuple[int, str]]] = {}  # path -> (status, message) first
@@ -106,10 +108,9 @@ class SglangStandIn:
         self.hold_at_tokens: int | None = None  # requests wait there until release()
         self.pause_mode: str | None = None
         self.weight_version = "default"
-        # Weight-sync groups joined as SGLang joins them (`join_as_sglang`), by name, and the
-        # tensors received over them or from disk, by name.
-        self.groups: dict[str, dist.ProcessGroup] = {}
-        self.weights: dict[str, torch.Tensor] = {}
+        # The weight routes: groups, sessions, the tensors received (`sglang_stand_in_weights`).
+        self.weight_routes = StandInWeights(tp_size, self._load, self._cache_in_use, self._notify)
+        self.model_rids: set[str] = set()  # requests the real model runs
         self.data_parallel_size = 1
         self.report_version_spans = True
         self.is_generation = True
@@ -124,13 +125,10 @@ class SglangStandIn:
             "/pause_generation": self._pause_generation,
             "/continue_generation": self._continue_generation,
             "/flush_cache": self._flush_cache,
-            "/init_weights_update_group": self._init_weights_update_group,
-            "/update_weights_from_distributed": self._update_weights_from_distributed,
-            "/destroy_weights_update_group": self._destroy_weights_update_group,
-            "/update_weights_from_disk": self._update_weights_from_disk,
             "/health_generate": self._health,
             "/get_model_info": self._model_info,
             "/get_server_info": self._server_info,
+            **self.weight_routes.routes(),
         }
         return Starlette(
             routes=[
@@ -138,6 +136,16 @@ class SglangStandIn:
                 for path, handler in routes.items()
             ]
         )
+
+    @property
+    def groups(self) -> dict[str, list[dist.ProcessGroup]]:
+        """The weight-sync groups joined, by name: one per tensor-parallel rank."""
+        return self.weight_routes.groups
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The tensors tensor-parallel rank 0 received, by name."""
+        return self.weight_routes.weights
 
     def decoded(self, rid: str) -> int:
         """Tokens the running request `rid` has so far; 0 when it is not running."""
@@ -160,9 +168,11 @@ class SglangStandIn:
 
     def leave_groups(self) -> None:
         """Destroys the weight-sync groups joined, whose names are the test process's."""
-        for group in self.groups.values():
-            dist.destroy_process_group(group)
-        self.groups.clear()
+        self.weight_routes.leave_groups()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
 
     async def abort_everything(self) -> None:
         async with self._changed:
@@ -183,11 +193,11 @@ class SglangStandIn:
         return endpoint
 
     async def _generate(self, body: dict) -> Response:
+        running = set(self.running) | self.model_rids
+        if refusal := generate_refusal(body, self.context_length, running):
+            return refusal
         if self.model is not None:
             return await self._generate_with_model(body)
-        problem = self._generate_problem(body)
-        if problem:  # SGLang's _create_error_response
-            return JSONResponse({"error": {"message": problem}}, status_code=400)
         input_ids, params = body["input_ids"], body["sampling_params"]
         request = RunningRequest(body["rid"])
         self.running[request.rid] = request
@@ -223,11 +233,8 @@ class SglangStandIn:
         """/generate's reply from the real model: its ids and raw logprobs, the versions of
         the weights that sampled each token."""
         params = body["sampling_params"]
-        if unknown := set(params) - SGLANG_SAMPLING_KEYS:
-            message = f"SamplingParams got an unexpected keyword argument {sorted(unknown)[0]!r}"
-            return JSONResponse({"error": {"message": message}}, status_code=400)
         sampling = SamplingParams(
-            max_new_tokens=params.get("max_new_tokens", 128),
+            max_new_tokens=self._max_new_tokens(body),
             temperature=params.get("temperature", 1.0),
             top_p=params.get("top_p", 1.0),
             top_k=max(params.get("top_k", -1), 0),
@@ -236,10 +243,13 @@ class SglangStandIn:
             stop_token_ids=tuple(params.get("stop_token_ids") or ()),
             seed=params.get("sampling_seed"),
         )
+        self.model_rids.add(body["rid"])
         try:
             out = await self.model.generate(body["input_ids"], sampling, body["rid"])
         except InvalidArgumentError as e:
             return JSONResponse({"error": {"message": str(e)}}, status_code=400)
+        finally:
+            self.model_rids.discard(body["rid"])
         finish_reason = {"type": out.finish_reason.value}
         if out.finish_reason is FinishReason.STOP:
             finish_reason["matched"] = out.output_ids[-1]
@@ -258,27 +268,16 @@ class SglangStandIn:
         }
         return JSONResponse({"output_ids": out.output_ids, "meta_info": meta_info})
 
-    def _generate_problem(self, body: dict) -> str | None:
-        """What SGLang would reject in a generate request (the parts the adapter sends)."""
-        input_ids, params = body.get("input_ids"), body.get("sampling_params") or {}
-        if not input_ids or not all(isinstance(token, int) for token in input_ids):
-            return "input_ids must be a non-empty list of token ids"
-        if bad := [token for token in input_ids if not 0 <= token < VOCAB_SIZE]:
-            return f"Token id {bad[0]} is out of vocabulary (vocab size {VOCAB_SIZE})"
-        if unknown := set(params) - SGLANG_SAMPLING_KEYS:
-            return f"SamplingParams got an unexpected keyword argument {sorted(unknown)[0]!r}"
-        top_k = params.get("top_k", -1)
-        if top_k < 1 and top_k != -1:
-            return f"top_k must be -1 (disable) or at least 1, got {top_k}."
-        if not 0.0 < params.get("top_p", 1.0) <= 1.0 or params.get("temperature", 1.0) < 0:
-            return "top_p must be in (0, 1] and temperature non-negative"
-        if body.get("rid") in self.running:
-            return f"Duplicate request ID: {body['rid']}"
-        return None
+    def _max_new_tokens(self, body: dict) -> int:
+        """The request's max_new_tokens, cut where the scheduler ends a generation: one token
+        short of max_req_len = context - 1 in all (`managers/scheduler.py`
+        init_req_max_new_tokens)."""
+        max_new_tokens = body["sampling_params"].get("max_new_tokens", 128)
+        return min(max_new_tokens, self.context_length - 2 - len(body["input_ids"]))
 
     async def _decode(self, request: RunningRequest, input_ids: list[int], params: dict) -> dict:
         stop_ids = {EOS_TOKEN_ID, *(params.get("stop_token_ids") or [])}
-        max_new_tokens = params.get("max_new_tokens", 128)
+        max_new_tokens = self._max_new_tokens({"sampling_params": params, "input_ids": input_ids})
         previous = input_ids[-1]
         while True:
             async with self._changed:
@@ -299,12 +298,20 @@ class SglangStandIn:
         return self.pause_mode is None and not held
 
     async def _abort_request(self, body: dict) -> Response:
-        if self.model is not None:
-            await self.model.abort(body["rid"])
+        """Aborts, as 0.5.23 does, nothing for an empty rid or one that is not running
+        (`managers/tokenizer_manager.py` abort_request), else every request whose rid starts
+        with the one given (`managers/scheduler.py` abort_request: `startswith`); with
+        abort_all, every request."""
+        rid, abort_all = body.get("rid") or "", body.get("abort_all", False)
+        if not abort_all and rid not in set(self.running) | self.model_rids:
+            return Response(status_code=200)
+        for model_rid in [r for r in self.model_rids if abort_all or r.startswith(rid)]:
+            await self.model.abort(model_rid)
         async with self._changed:
-            if body["rid"] in self.running:
-                self.running[body["rid"]].aborted = True
-                self._changed.notify_all()
+            for request in self.running.values():
+                if abort_all or request.rid.startswith(rid):
+                    request.aborted = True
+            self._changed.notify_all()
         return Response(status_code=200)
 
     async def _pause_generation(self, body: dict | None) -> Response:
@@ -340,66 +347,9 @@ class SglangStandIn:
         self.sequences.clear()
         return PlainTextResponse("Cache flushed.\n")
 
-    async def _init_weights_update_group(self, body: dict) -> Response:
-        group_name = body.get("group_name", "weight_update_group")
-        if group_name in self.groups:
-            return _weight_sync_failure(f"Process group {group_name!r} already exists.")
-        try:
-            group = await asyncio.to_thread(join_as_sglang, body, group_name)
-        except Exception as e:  # SGLang answers the failure, it does not raise
-            return _weight_sync_failure(f"Failed to initialize custom process group: {e}.")
-        async with self._changed:
-            self.groups[group_name] = group
-            self._changed.notify_all()
-        return JSONResponse({"success": True, "message": "Succeeded to initialize group."})
-
-    async def _destroy_weights_update_group(self, body: dict) -> Response:
-        group = self.groups.pop(body.get("group_name", "weight_update_group"), None)
-        if group is None:
-            return _weight_sync_failure("The group to be destroyed does not exist.")
-        dist.destroy_process_group(group)
-        return JSONResponse({"success": True, "message": "Succeeded to destroy group."})
-
-    async def _update_weights_from_distributed(self, body: dict) -> Response:
-        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
-        if not len(names) == len(dtypes) == len(shapes):
-            return _weight_sync_failure("names, dtypes and shapes differ in length")
-        group = self.groups.get(body.get("group_name", "weight_update_group"))
-        if group is None:
-            return _weight_sync_failure("The weight update group is not initialized.")
-        if not all(isinstance(getattr(torch, dtype, None), torch.dtype) for dtype in dtypes):
-            return _weight_sync_failure(f"Unknown dtype in {dtypes}")
-        if body.get("flush_cache", True) and self._cache_in_use():
-            return PlainTextResponse("AssertionError: Cache flush failed", 500)  # SGLang asserts
-        load_format = body.get("load_format")
-        if load_format not in (None, "flattened_bucket"):
-            return _weight_sync_failure(f"Unknown load_format {load_format!r}")
-        if load_format and len(set(dtypes)) > 1:  # FlattenedTensorBucket concatenates them
-            return _weight_sync_failure(f"a flattened bucket of several dtypes: {dtypes}")
-        receive = receive_flattened if load_format else receive_per_tensor
-        try:
-            received = await asyncio.to_thread(receive, group, dtypes, shapes)
-        except RuntimeError as e:  # SGLang's words: earlier buckets stay loaded
-            return _weight_sync_failure(
-                f"Failed to update parameter online: {e}. The full weights of the ModelRunner "
-                "are partially updated. Please discard the whole weights."
-            )
-        await self._load(dict(zip(names, received, strict=True)), body.get("weight_version"))
-        return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
-
-    async def _update_weights_from_disk(self, body: dict) -> Response:
-        if body.get("flush_cache", True) and self._cache_in_use():
-            return PlainTextResponse("AssertionError: Cache flush failed", 500)
-        loaded = await asyncio.to_thread(load_folder, Path(body["model_path"]))
-        if not loaded:
-            return _weight_sync_failure(f"no safetensors in {body['model_path']}")
-        await self._load(loaded, body.get("weight_version"))
-        return JSONResponse({"success": True, "message": "Succeeded to update model weights."})
-
     async def _load(self, tensors: dict[str, torch.Tensor], version: str | None) -> None:
         """Keeps the tensors received, loads them into the real model when there is one, and
         takes `version`, as SGLang's load_weights and weight_version do."""
-        self.weights.update(tensors)
         if self.model is not None:
             number = int(version) if version and version.isdigit() else self.model.policy_version
             await self.model.update_weights(tensors.items(), number)
@@ -434,18 +384,20 @@ class SglangStandIn:
         )
 
     async def _server_info(self, body: None) -> Response:
+        """The server's arguments and its scheduler's limits (`utils/common.py`
+        build_server_info; `managers/scheduler.py` get_init_info); `argv` stands for the
+        launch command."""
         return JSONResponse(
             {
                 "model_path": self.model_path,
                 "argv": self.argv,
-                "tp_size": 1,
+                "context_length": self.context_length_flag,
+                "tp_size": self.weight_routes.tp_size,
                 "dp_size": self.data_parallel_size,
+                "max_req_input_len": self.context_length - RESERVED_TOKENS,
+                "max_total_num_tokens": self.context_length * 4,
             }
         )
-
-
-def _weight_sync_failure(message: str) -> Response:
-    return JSONResponse({"success": False, "message": message}, status_code=400)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -475,18 +427,21 @@ def stand_in_command() -> tuple[str, ...]:
 
 
 def main(argv: list[str]) -> None:
-    """Serves the stand-in like `python -m sglang.launch_server --model-path M --host H --port P`."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model-path", required=True)
-    parser.add_argument("--host", required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--context-length", type=int, default=2048)
-    args, _ = parser.parse_known_args(argv)
+    """Serves the stand-in like `python -m sglang.launch_server --model-path M --host H --port P
+    ...`; a flag SGLang 0.5.23 does not define ends it as it ends that server."""
+    args = server_arguments(argv)
     model = None
+    context_length = args.context_length or MODEL_CONTEXT_LENGTH
     if (Path(args.model_path) / "config.json").is_file():  # a real model: serve it
         options = HfEngineOptions()
-        model = asyncio.run(HfEngine.create(options, args.model_path, args.context_length))
-    server = SglangStandIn(model_path=args.model_path, argv=argv, model=model)
+        model = asyncio.run(HfEngine.create(options, args.model_path, context_length))
+    server = SglangStandIn(
+        model_path=args.model_path,
+        argv=argv,
+        model=model,
+        context_length=args.context_length,
+        tp_size=args.tp_size,
+    )
     uvicorn.run(server.app(), host=args.host, port=args.port, lifespan="off", log_level="warning")
 
 

@@ -15,11 +15,11 @@ import torch
 
 from rollout_svc.engines.base import FinishReason, SamplingParams
 from rollout_svc.engines.sglang import SglangEngine, SglangEngineOptions
+from rollout_svc.engines.sglang_api import sglang_rid
 from tests.rollout_svc import weight_sender
 from tests.rollout_svc.sglang_stand_in import (
     MAX_MODEL_LEN,
     MODEL_PATH,
-    VOCAB_SIZE,
     WAIT_SECONDS,
     SglangStandIn,
     continuation,
@@ -76,7 +76,7 @@ async def test_generate_sends_token_ids_and_returns_ids_with_logprobs(stand_in, 
     }
     assert stand_in.bodies("/generate") == [
         {
-            "rid": "r1",
+            "rid": "2:r1",  # sglang_rid: the length first
             "input_ids": [5, 17, 42],
             "sampling_params": {
                 "max_new_tokens": 4,
@@ -130,13 +130,13 @@ async def test_next_turn_of_a_session_reuses_the_cached_prefix(stand_in, engine)
 async def test_abort_returns_the_tokens_sampled_so_far(stand_in, engine):
     stand_in.hold_at_tokens = 3
     task = asyncio.create_task(engine.generate([4], SamplingParams(max_new_tokens=100), "r-ab"))
-    await stand_in.wait_until(lambda: stand_in.decoded("r-ab") == 3)
+    await stand_in.wait_until(lambda: stand_in.decoded(sglang_rid("r-ab")) == 3)
     await engine.abort("r-ab")
     output = await task
     assert output.finish_reason is FinishReason.ABORT
     assert output.output_ids == continuation([4], 3)
     assert len(output.logprobs) == len(output.policy_versions) == 3
-    assert stand_in.bodies("/abort_request") == [{"rid": "r-ab"}]
+    assert stand_in.bodies("/abort_request") == [{"rid": sglang_rid("r-ab")}]
     assert engine.stats()["aborted_total"] == 1.0
 
 
@@ -179,7 +179,7 @@ async def weight_group(
 async def test_pause_holds_a_request_across_a_weight_push(stand_in, engine):
     stand_in.hold_at_tokens = 2
     task = asyncio.create_task(engine.generate([3], SamplingParams(max_new_tokens=5), "r-push"))
-    await stand_in.wait_until(lambda: stand_in.decoded("r-push") == 2)
+    await stand_in.wait_until(lambda: stand_in.decoded(sglang_rid("r-push")) == 2)
 
     await engine.pause()
     await stand_in.release()
@@ -191,7 +191,7 @@ async def test_pause_holds_a_request_across_a_weight_push(stand_in, engine):
         metas = [TensorMeta(name, t.dtype, tuple(t.shape)) for name, t in sent.items()]
         # Buckets of 2 KiB: the embedding and the norm travel together, the head apart.
         await engine.receive_weights("g", metas, 2048, "per_tensor", policy_version=1)
-    assert stand_in.decoded("r-push") == 2  # paused: not one step in all that time
+    assert stand_in.decoded(sglang_rid("r-push")) == 2  # paused: not one step in all that time
     assert engine.policy_version == 1
     await engine.resume()
     output = await task
@@ -331,7 +331,7 @@ async def test_weight_update_without_a_group_reports_the_server_message(stand_in
     with pytest.raises(FailedPreconditionError) as failure:
         await engine.update_weights_from_distributed(["w"], ["float32"], [[2]], 1, group_name="g")
     assert stand_in.url in str(failure.value)
-    assert "The weight update group is not initialized." in str(failure.value)
+    assert "Group g not in []. Please call `init_weights_update_group` first." in str(failure.value)
     assert engine.policy_version == 0
 
 
@@ -358,7 +358,7 @@ async def test_flush_cache_while_requests_run_is_a_failed_precondition(stand_in,
     await engine.flush_cache()
     stand_in.hold_at_tokens = 1
     task = asyncio.create_task(engine.generate([6], SamplingParams(max_new_tokens=3), "r-fl"))
-    await stand_in.wait_until(lambda: "r-fl" in stand_in.running)
+    await stand_in.wait_until(lambda: sglang_rid("r-fl") in stand_in.running)
     with pytest.raises(FailedPreconditionError, match="requests are running"):
         await engine.flush_cache()
     await stand_in.release()
@@ -367,11 +367,12 @@ async def test_flush_cache_while_requests_run_is_a_failed_precondition(stand_in,
 
 async def test_rejected_request_names_the_server_and_its_message(stand_in, engine):
     with pytest.raises(InvalidArgumentError) as rejected:
-        await engine.generate([5, VOCAB_SIZE + 3], SamplingParams(max_new_tokens=2), "r-oov")
+        sampling = SamplingParams(max_new_tokens=2, repetition_penalty=2.5)
+        await engine.generate([5, 6], sampling, "r-penalty")
     message = str(rejected.value)
     assert stand_in.url in message
     assert "POST /generate: HTTP 400" in message
-    assert f"Token id {VOCAB_SIZE + 3} is out of vocabulary" in message
+    assert "repetition_penalty must be in (0, 2] (1.0 = no penalty), got 2.5." in message
     with pytest.raises(InvalidArgumentError, match="input_ids is empty"):
         await engine.generate([], SamplingParams(max_new_tokens=2), "r-empty")
 
@@ -415,7 +416,7 @@ async def test_generate_past_its_deadline_is_aborted_on_the_server(stand_in):
             DeadlineExceededError, match=r"did not answer POST /generate within 0\.3 s"
         ):
             await engine.generate([8], SamplingParams(max_new_tokens=9), "r-slow")
-        assert stand_in.bodies("/abort_request") == [{"rid": "r-slow"}]
+        assert stand_in.bodies("/abort_request") == [{"rid": sglang_rid("r-slow")}]
         assert engine.stats()["running_requests"] == 0.0
     finally:
         await engine.close()
@@ -424,11 +425,11 @@ async def test_generate_past_its_deadline_is_aborted_on_the_server(stand_in):
 async def test_cancelled_generate_is_aborted_on_the_server(stand_in, engine):
     stand_in.hold_at_tokens = 1
     task = asyncio.create_task(engine.generate([8], SamplingParams(max_new_tokens=9), "r-cancel"))
-    await stand_in.wait_until(lambda: "r-cancel" in stand_in.running)
+    await stand_in.wait_until(lambda: sglang_rid("r-cancel") in stand_in.running)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert stand_in.bodies("/abort_request") == [{"rid": "r-cancel"}]
+    assert stand_in.bodies("/abort_request") == [{"rid": sglang_rid("r-cancel")}]
 
 
 async def test_start_waits_for_health_and_reads_the_weight_version(stand_in):

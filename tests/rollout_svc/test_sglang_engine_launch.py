@@ -53,7 +53,7 @@ def test_options_need_exactly_one_server():
 async def test_launch_starts_the_server_with_its_arguments_and_stops_it():
     launch = LaunchOptions(
         port=0,
-        extra_args=("--tp-size", "1", "--mem-fraction-static", "0.5"),
+        extra_args=("--tp-size", "2", "--mem-fraction-static", "0.5"),
         command=stand_in_command(),
     )
     # The stand-in script imports torch and starlette: seconds on a loaded machine.
@@ -64,9 +64,12 @@ async def test_launch_starts_the_server_with_its_arguments_and_stops_it():
         async with httpx.AsyncClient(trust_env=False) as client:
             info = (await client.get(f"{engine.url}/get_server_info")).json()
         assert info["argv"] == [
-            *("--model-path", "stand-in/launched", "--host", "127.0.0.1", "--port", port),
-            *("--tp-size", "1", "--mem-fraction-static", "0.5"),
+            *("--model-path", "stand-in/launched", "--context-length", str(MAX_MODEL_LEN)),
+            *("--host", "127.0.0.1", "--port", port),
+            *("--tp-size", "2", "--mem-fraction-static", "0.5"),
         ]
+        assert info["context_length"] == MAX_MODEL_LEN
+        assert engine.weight_sync_ranks == 2
         output = await engine.generate([2, 3], SamplingParams(max_new_tokens=2), "r-launched")
         assert output.output_ids == continuation([2, 3], 2)
     finally:
@@ -89,6 +92,23 @@ async def test_the_watch_reports_a_launched_server_that_dies():
             await asyncio.wait_for(watching, timeout=30)
     finally:
         await engine.close()
+
+
+async def test_an_unknown_launch_flag_ends_the_server_as_sglang_does():
+    """SGLang 0.5.23's argparse parser (prog "sglang serve") refuses a flag it does not
+    define with exit code 2, so a wrong extra_args fails start-up, as the real server does."""
+    launch = LaunchOptions(port=0, extra_args=("--tp_size", "2"), command=stand_in_command())
+    options = SglangEngineOptions(launch=launch, **engine_options(startup_timeout_seconds=120))
+    with pytest.raises(UnavailableError, match="exited with code 2 before it became healthy"):
+        await SglangEngine.create(options, "stand-in/launched", MAX_MODEL_LEN)
+    arguments = ["--model-path", "m", "--port", "0", "--mem-fraction", "0.5", "--no-such-flag"]
+    server = await asyncio.create_subprocess_exec(
+        *stand_in_command(), *arguments, stderr=asyncio.subprocess.PIPE
+    )
+    _, stderr = await asyncio.wait_for(server.communicate(), timeout=120)
+    assert server.returncode == 2
+    # argparse takes an unambiguous prefix of a flag, as the real parser does.
+    assert stderr.decode().endswith("sglang serve: error: unrecognized arguments: --no-such-flag\n")
 
 
 async def test_launch_reports_a_server_that_exits_during_start_up():

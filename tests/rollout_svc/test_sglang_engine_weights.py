@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rollout_svc.engines.base import SamplingParams
+from rollout_svc.engines.sglang_api import sglang_rid
 from tests.rollout_svc import weight_sender
 from tests.rollout_svc.sglang_stand_in import WAIT_SECONDS, SglangStandIn, continuation
 from tests.rollout_svc.test_sglang_engine import engine as engine
@@ -35,7 +36,7 @@ async def test_a_broken_push_refuses_generation_until_a_complete_one(stand_in, e
     in_flight = asyncio.create_task(
         engine.generate([3], SamplingParams(max_new_tokens=5), "r-in-flight")
     )
-    await stand_in.wait_until(lambda: stand_in.decoded("r-in-flight") == 2)
+    await stand_in.wait_until(lambda: stand_in.decoded(sglang_rid("r-in-flight")) == 2)
     await engine.pause()
     await stand_in.release()
     # The trainer dies after the first bucket: the server loaded it, not the second.
@@ -48,7 +49,7 @@ async def test_a_broken_push_refuses_generation_until_a_complete_one(stand_in, e
     # is refused before it is sent.
     with pytest.raises(FailedPreconditionError, match=BROKEN):
         await in_flight
-    assert {"rid": "r-in-flight"} in stand_in.bodies("/abort_request")
+    assert {"rid": sglang_rid("r-in-flight")} in stand_in.bodies("/abort_request")
     sent_before = stand_in.paths().count("/generate")
     with pytest.raises(FailedPreconditionError, match=rf"{BROKEN}; push again"):
         await engine.generate([3], SamplingParams(max_new_tokens=2), "r-refused")

@@ -3,6 +3,7 @@ gloo broadcast and the gRPC fallback, checked by the engine's logprobs after the
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.rollout_svc.test_rollout_service import generate, rollout_server, teacher_forced_logprobs
-from trainer_svc.weight_push import WeightPusher
+from trainer_svc.weight_push import WeightPusher, push_device
 from turnrl import rpc
 from turnrl.config import ClientConfig
 from turnrl.errors import FailedPreconditionError, InvalidArgumentError
@@ -157,6 +158,27 @@ async def test_a_replica_error_names_the_replica_and_a_later_push_works(tiny_mod
         assert pusher.mode == mode  # the broadcast ran to its end: the group is still in step
 
 
+async def test_the_trainers_group_timeout_bounds_a_replicas_wait_for_a_broadcast(tiny_model_dir):
+    """The group's timeout reaches the replica's end of the group (not torch's 30 minutes): a
+    replica told to receive an update that rank 0 never sends gives up after it."""
+    metas = packed(load(tiny_model_dir).state_dict()).metas
+    request = rollout_pb2.UpdateWeightsRequest(
+        group_name="turnrl-weights", tensors=[meta.to_proto() for meta in metas],
+        bucket_size_bytes=BUCKET_SIZE_BYTES, policy_version=1,
+        layout=rollout_pb2.WEIGHT_LAYOUT_ALIGNED_BUCKETS,
+    )  # fmt: skip
+    async with replicas(tiny_model_dir, 1) as stubs:
+        pusher = await WeightPusher.connect(stubs, timeout_seconds=2)
+        try:
+            assert pusher.mode == "broadcast"
+            started = time.monotonic()
+            with pytest.raises(FailedPreconditionError, match="broke off after 0 of"):
+                await stubs[0].UpdateWeights(request, timeout=60)
+            assert time.monotonic() - started < 30
+        finally:
+            pusher.close()
+
+
 async def test_falls_back_to_grpc_when_no_group_forms(caplog):
     async with rpc.open_channel(ClientConfig(address=DEAD_ADDRESS)) as channel:
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
@@ -173,3 +195,13 @@ async def test_falls_back_to_grpc_when_no_group_forms(caplog):
 async def test_bad_settings_are_invalid(settings, message):
     with pytest.raises(InvalidArgumentError, match=message):
         await WeightPusher.connect([] if not settings else [object()], **settings)
+
+
+def test_nccl_broadcasts_from_this_ranks_own_gpu(monkeypatch):
+    """Not cuda:0 (the device of a fresh thread, perhaps a rollout server's), but the GPU
+    `FsdpModel` trains on: the node's GPU of LOCAL_RANK."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert push_device("nccl") == torch.device("cuda", 1)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert push_device("nccl") == torch.device("cuda", 0)
+    assert push_device("gloo") == torch.device("cpu")

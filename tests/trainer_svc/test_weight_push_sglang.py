@@ -1,7 +1,8 @@
 """The trainer's weight push into a rollout service on the SGLang engine, whose server (the
 stand-in of `sglang_stand_in.py`, joining real gloo groups as SGLang does) holds the weights:
 the server joins the group itself and receives each tensor, alone or in one group with an
-hf replica, and PushWeights reaches it through a safetensors folder."""
+hf replica, and PushWeights reaches it through a safetensors folder; a server of two
+tensor-parallel ranks joins with both."""
 
 import contextlib
 from collections.abc import AsyncIterator
@@ -26,11 +27,11 @@ from turnrl.weights import BucketedWeights
 
 
 @contextlib.asynccontextmanager
-async def sglang_replica(model_dir, **options) -> AsyncIterator[tuple]:
+async def sglang_replica(model_dir, tp_size: int = 1, **options) -> AsyncIterator[tuple]:
     """A rollout service on the SGLang engine with engine `options`, its server a stand-in
-    that serves `model_dir` (the rollout config's model_path, whose checkpoint the engine
-    checks updates against)."""
-    server = SglangStandIn(model_path=str(model_dir))
+    of `tp_size` tensor-parallel ranks that serves `model_dir` (the rollout config's
+    model_path, whose checkpoint the engine checks updates against)."""
+    server = SglangStandIn(model_path=str(model_dir), tp_size=tp_size)
     async with serve_app(server.app()) as url:
         server.url = url
         options = engine_options(url=url, **options)
@@ -73,6 +74,25 @@ async def test_the_server_joins_and_receives_every_tensor(tiny_model_dir):
         assert updates[-1]["weight_version"] == "2"
         stats = await stub.GetStats(rollout_pb2.GetStatsRequest(), timeout=10)
         assert (stats.policy_version, stats.paused) == (2, False)
+
+
+async def test_a_server_of_two_tensor_parallel_ranks_joins_with_both(tiny_model_dir):
+    perturbed = load(tiny_model_dir, noise_seed=6)
+    async with (
+        sglang_replica(tiny_model_dir, tp_size=2) as (sglang, server),
+        rollout_server(tiny_model_dir, DEAD_ADDRESS, DEAD_ADDRESS) as hf,
+        connected([sglang, hf], "broadcast") as pusher,
+    ):
+        stats = await sglang.GetStats(rollout_pb2.GetStatsRequest(), timeout=10)
+        assert stats.weight_sync_ranks == 2
+        weights = packed(perturbed.state_dict(), 64 * 1024)
+        assert (await pusher.push(weights, 1)).policy_versions == [1, 1]
+        (joined,) = server.bodies("/init_weights_update_group")
+        assert (joined["rank_offset"], joined["world_size"]) == (1, 4)  # the hf replica: 3
+        for rank_weights in server.weight_routes.rank_weights:
+            assert rank_weights.keys() == {meta.name for meta in weights.metas}
+            for name, tensor in weights.named_tensors():
+                assert torch.equal(rank_weights[name], tensor), name
 
 
 async def test_one_group_with_an_hf_replica_sends_tensor_by_tensor_to_both(tiny_model_dir):

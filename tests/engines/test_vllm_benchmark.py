@@ -1,0 +1,41 @@
+"""`benchmarks/rollout_async_vs_batch.py --engine vllm` in its smoke mode: the rollouts on a
+vLLM CPU server the benchmark's engine launches from vLLM's own environment
+($TURNRL_VLLM_PYTHON), ending with its headline figures. (tests/benchmarks/test_smoke.py runs
+the hf engine's smoke in `make test`.) This file sorts before test_vllm_engine.py, whose
+session-wide server starts only there: one server at a time on the two cores."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from turnrl.config import REPO_ROOT
+
+pytestmark = pytest.mark.engines
+
+BENCHMARK = REPO_ROOT / "benchmarks" / "rollout_async_vs_batch.py"
+# The server's start (60-80 s on two cores) and four short trajectories, three times over.
+TIMEOUT_SECONDS = 540
+
+
+@pytest.mark.timeout(TIMEOUT_SECONDS + 60)
+def test_rollout_benchmark_smoke_on_vllm(vllm_python, tmp_path):
+    command = [
+        *(sys.executable, str(BENCHMARK), "--smoke"),
+        *("--engine", "vllm", "--engine-python", vllm_python),
+    ]
+    # Without the asyncio debug mode the tests turn on, which the server would inherit.
+    env = {**os.environ, "PYTHONASYNCIODEBUG": ""}
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_SECONDS
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    headline = json.loads(done.stdout.strip().splitlines()[-1])
+    assert headline["engine"] == "vllm", headline
+    # Greedy: both modes, and the engine driven directly, sample the same tokens.
+    assert headline["same_tokens_both_modes"], headline
+    assert headline["direct_same_tokens"], headline
+    assert headline["model_tokens_per_rollout"] > 0, headline
+    assert headline["rollout_tokens_per_s"] > 0 and headline["service_cost"] > 0, headline

@@ -1,0 +1,266 @@
+"""The vLLM engine on a real vLLM CPU server of the tiny model (`conftest.vllm_server`): greedy
+generation against a transformers forward pass, abort, pause and resume, the requests it
+refuses, a server with a shorter context, and the life of a server it launches."""
+
+import asyncio
+import os
+import signal
+import sys
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rollout_svc.engines.base import FinishReason, SamplingParams
+from rollout_svc.engines.server_process import start_server
+from rollout_svc.engines.vllm import VLLM_SERVER_MODULE, VllmEngine, VllmEngineOptions
+from tests.engines.conftest import launch_options
+from tests.rollout_svc.test_rollout_service import teacher_forced_logprobs
+from turnrl.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    UnavailableError,
+)
+
+pytestmark = pytest.mark.engines
+
+# The tiny model samples no EOS greedily after this prompt (checked to 2,043 tokens): a request
+# runs for as many tokens as it is given; LONG of them take seconds.
+ENDLESS_PROMPT = [5, 17, 42, 99, 3]
+LONG = 2000
+# Tries at catching a LONG request while it runs (`paused_mid_request`).
+ATTEMPTS = 3
+# How long a paused request is watched to stay still.
+STILL_SECONDS = 1.0
+EOS_TOKEN_ID = 615  # the tiny model's
+
+
+def greedy(max_new_tokens: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def hf_model(vllm_server):
+    return AutoModelForCausalLM.from_pretrained(vllm_server.model_path, dtype=torch.float32).eval()
+
+
+async def generated_tokens_total(url: str) -> float:
+    """The server's count of tokens generated so far (its Prometheus metrics)."""
+    async with httpx.AsyncClient(trust_env=False) as client:
+        text = (await client.get(f"{url}/metrics", timeout=10)).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:generation_tokens_total")
+    )
+
+
+async def test_greedy_generation_is_deterministic_and_matches_transformers(vllm_engine, hf_model):
+    prompt = [1, 2, 3, 4]  # greedy: 40 tokens, then EOS
+    first = await vllm_engine.generate(prompt, greedy(64), "greedy-1")
+    second = await vllm_engine.generate(prompt, greedy(64), "greedy-2")
+    assert first.output_ids == second.output_ids
+    assert first.logprobs == second.logprobs
+    assert len(first.output_ids) == len(first.logprobs) == len(first.policy_versions)
+    assert first.finish_reason is FinishReason.STOP and first.output_ids[-1] == EOS_TOKEN_ID
+    assert first.policy_versions == [0] * len(first.output_ids)
+    assert first.metrics["prompt_tokens"] == len(prompt)
+    expected = teacher_forced_logprobs(hf_model, prompt + first.output_ids)[len(prompt) - 1 :]
+    assert torch.max(torch.abs(torch.tensor(first.logprobs) - expected)).item() < 1e-5
+    # Greedy takes the most likely token at every step.
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + first.output_ids])).logits[0]
+    assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == first.output_ids
+    # A stop token ends the turn where it is first sampled, and is kept.
+    stop_id = first.output_ids[5]
+    stopped = await vllm_engine.generate(
+        prompt,
+        SamplingParams(max_new_tokens=64, temperature=0.0, stop_token_ids=(stop_id,)),
+        "stop",
+    )
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.output_ids == first.output_ids[: first.output_ids.index(stop_id) + 1]
+
+
+async def start_generating(
+    engine: VllmEngine, request_id: str, max_new_tokens: int = LONG
+) -> asyncio.Task:
+    """Starts a greedy request of ENDLESS_PROMPT; returns its task once the server decodes it:
+    a two-token request sent after it has finished, and the server admits requests in the
+    order they come and decodes the running ones together. (Its /metrics count a request's
+    tokens only later, so they cannot tell.)"""
+    task = asyncio.create_task(engine.generate(ENDLESS_PROMPT, greedy(max_new_tokens), request_id))
+    await engine.generate(ENDLESS_PROMPT, greedy(2), f"{request_id}-behind")
+    return task
+
+
+async def paused_mid_request(engine: VllmEngine, url: str, name: str) -> tuple[asyncio.Task, str]:
+    """A request paused while it generates: its task and request_id, the engine paused, and
+    checked to stay still. Whether the pause lands before the request's LONG tokens are done
+    is the server's speed against its HTTP answers on a busy machine, so a request that ends
+    first is tried again with another."""
+    for attempt in range(ATTEMPTS):
+        request_id = f"{name}-{attempt}"
+        running = await start_generating(engine, request_id)
+        await engine.pause()
+        # Nothing to await here: the check is that the request stays unfinished for a while.
+        await asyncio.sleep(STILL_SECONDS)
+        if not running.done():
+            return running, request_id
+        await engine.resume()
+    pytest.fail(f"{ATTEMPTS} requests of {LONG} tokens ended before the pause landed")
+
+
+async def test_abort_ends_a_running_request_with_its_tokens_so_far(vllm_engine, vllm_server):
+    running, request_id = await paused_mid_request(vllm_engine, vllm_server.url, "long")
+    try:
+        await vllm_engine.abort(request_id)
+        aborted = await asyncio.wait_for(running, timeout=30)
+    finally:
+        await vllm_engine.resume()
+    assert aborted.finish_reason is FinishReason.ABORT
+    assert 0 < len(aborted.output_ids) < LONG
+    assert len(aborted.logprobs) == len(aborted.output_ids)
+    reference = await vllm_engine.generate(ENDLESS_PROMPT, greedy(len(aborted.output_ids)), "ref")
+    assert reference.output_ids == aborted.output_ids
+    assert vllm_engine.stats()["aborted_total"] == 1.0
+    await vllm_engine.abort(request_id)  # no longer running: left alone
+
+
+async def test_abort_reaches_only_this_clients_request_of_that_id(vllm_server, vllm_engine):
+    """Two clients of one server may use one request_id; each request gets its own name."""
+    other = await VllmEngine.create(
+        vllm_server.engine_options(), vllm_server.model_path, vllm_server.max_model_len
+    )
+    try:
+        for attempt in range(ATTEMPTS):
+            request_id = f"same-id-{attempt}"
+            theirs = asyncio.create_task(other.generate(ENDLESS_PROMPT, greedy(LONG), request_id))
+            mine = await start_generating(vllm_engine, request_id)
+            await vllm_engine.abort(request_id)
+            mine_output = await asyncio.wait_for(mine, timeout=60)
+            their_output = await asyncio.wait_for(theirs, timeout=60)
+            if mine_output.finish_reason is FinishReason.ABORT:
+                break  # else it ended before the abort landed (see paused_mid_request)
+        assert mine_output.finish_reason is FinishReason.ABORT
+        assert their_output.finish_reason is FinishReason.LENGTH
+        assert len(their_output.output_ids) == LONG
+    finally:
+        await other.close()
+
+
+async def test_pause_keeps_a_request_waiting_and_resume_finishes_it(vllm_engine, vllm_server):
+    reference = await vllm_engine.generate(ENDLESS_PROMPT, greedy(LONG), "reference")
+    running, _ = await paused_mid_request(vllm_engine, vllm_server.url, "paused")
+    assert vllm_engine.stats()["paused"] == 1.0
+    await vllm_engine.resume()
+    resumed = await asyncio.wait_for(running, timeout=60)
+    # The request kept its tokens and KV: it goes on exactly as if never paused.
+    assert resumed.finish_reason is FinishReason.LENGTH
+    assert resumed.output_ids == reference.output_ids
+    differences = [abs(a - b) for a, b in zip(resumed.logprobs, reference.logprobs, strict=True)]
+    assert max(differences) < 1e-5
+
+
+async def test_resume_after_a_broken_push_aborts_the_requests_in_flight(vllm_engine, vllm_server):
+    running, _ = await paused_mid_request(vllm_engine, vllm_server.url, "in-flight")
+    await vllm_engine.begin_weight_update(1)  # and no update completes it
+    await vllm_engine.resume()
+    with pytest.raises(FailedPreconditionError, match="broken push to version 1"):
+        await asyncio.wait_for(running, timeout=30)
+    with pytest.raises(FailedPreconditionError, match="broken push to version 1"):
+        await vllm_engine.generate([5, 6], greedy(2), "after")
+    assert vllm_engine.broken_push_version == 1
+    assert vllm_engine.stats()["running_requests"] == 0.0
+
+
+async def test_prompts_the_engine_or_the_server_refuse(vllm_engine, vllm_server):
+    too_long = [5] * vllm_server.max_model_len
+    with pytest.raises(InvalidArgumentError, match=r"prompt of 2048 tokens .* max_model_len=2048"):
+        await vllm_engine.generate(too_long, greedy(1), "too-long")
+    with pytest.raises(InvalidArgumentError, match="input_ids is empty"):
+        await vllm_engine.generate([], greedy(1), "empty")
+    with pytest.raises(InvalidArgumentError, match="Token id 99999 is out of vocabulary"):
+        await vllm_engine.generate([1, 99999], greedy(1), "bad-id")
+    # A prompt one short of the context gets the one token there is room for.
+    last = await vllm_engine.generate(too_long[:-1], greedy(10), "last-token")
+    assert last.finish_reason is FinishReason.LENGTH and len(last.output_ids) == 1
+
+
+async def test_a_request_id_already_running_is_refused(vllm_engine):
+    running = asyncio.create_task(vllm_engine.generate(ENDLESS_PROMPT, greedy(200), "twice"))
+    await asyncio.sleep(0)  # lets it send its request
+    try:
+        with pytest.raises(InvalidArgumentError, match="request_id 'twice' is already running"):
+            await vllm_engine.generate([5], greedy(1), "twice")
+    finally:
+        await vllm_engine.abort("twice")
+        await running  # aborted, or done if the abort came before the server had it
+
+
+async def test_the_deadline_aborts_the_request_on_the_server(vllm_server):
+    engine = await VllmEngine.create(
+        vllm_server.engine_options(request_timeout_seconds=1.0),
+        vllm_server.model_path,
+        vllm_server.max_model_len,
+    )
+    try:
+        with pytest.raises(
+            DeadlineExceededError, match=r"did not answer POST /inference/v1/generate within 1 s"
+        ):
+            await engine.generate(ENDLESS_PROMPT, greedy(LONG), "slow")
+        # The server stops generating for it, long before its LONG tokens.
+        stopped = await generated_tokens_total(vllm_server.url)
+        await asyncio.sleep(1.0)
+        assert await generated_tokens_total(vllm_server.url) == stopped
+    finally:
+        await engine.close()
+
+
+async def test_a_server_with_a_shorter_context_is_refused(vllm_server):
+    with pytest.raises(InvalidArgumentError, match=r"context of 2048 tokens, less than .*=2049"):
+        await VllmEngine.create(
+            vllm_server.engine_options(), vllm_server.model_path, vllm_server.max_model_len + 1
+        )
+
+
+async def test_the_watch_reports_a_launched_server_that_dies():
+    """A process in the launched server's place (a real one takes a minute to start): the
+    watch raises once its process group is killed, and close stops what is left."""
+    options = VllmEngineOptions(launch=launch_options(sys.executable))
+    process, url = await start_server(
+        options.launch.model_copy(
+            update={"command": (sys.executable, "-c", "import time; time.sleep(600)")}
+        ),
+        VLLM_SERVER_MODULE,
+        [],
+    )
+    engine = VllmEngine(options, "m", 64, url, process)
+    try:
+        watching = asyncio.create_task(engine.watch())
+        await asyncio.sleep(0.2)
+        assert not watching.done()
+        os.killpg(process.pid, signal.SIGKILL)
+        with pytest.raises(
+            UnavailableError, match=r"vLLM server at .*: process \d+ exited with code -9"
+        ):
+            await asyncio.wait_for(watching, timeout=30)
+    finally:
+        await engine.close()
+
+
+async def test_launch_reports_a_server_that_exits_during_start_up():
+    launch = launch_options(sys.executable).model_copy(
+        update={"command": (sys.executable, "-c", "import sys; sys.exit(3)")}
+    )
+    with pytest.raises(UnavailableError, match="exited with code 3 before it became healthy"):
+        await VllmEngine.create(VllmEngineOptions(launch=launch), "m", 64)
+
+
+def test_options_need_exactly_one_server():
+    with pytest.raises(ValueError, match="exactly one of url"):
+        VllmEngineOptions()
+    with pytest.raises(ValueError, match="must start with http"):
+        VllmEngineOptions(url="127.0.0.1:8000")
