@@ -30,6 +30,9 @@ pytestmark = pytest.mark.engines
 # runs for as many tokens as it is given; LONG of them take seconds.
 ENDLESS_PROMPT = [5, 17, 42, 99, 3]
 LONG = 2000
+# Decode steps a second request runs beside a LONG one (`start_generating`): enough for the
+# long one, sent a moment before it over another connection, to be admitted meanwhile.
+CLOCK_TOKENS = 64
 # Tries at catching a LONG request while it runs (`paused_mid_request`).
 ATTEMPTS = 3
 # How long a paused request is watched to stay still.
@@ -88,11 +91,12 @@ async def start_generating(
     engine: VllmEngine, request_id: str, max_new_tokens: int = LONG
 ) -> asyncio.Task:
     """Starts a greedy request of ENDLESS_PROMPT; returns its task once the server decodes it:
-    a two-token request sent after it has finished, and the server admits requests in the
-    order they come and decodes the running ones together. (Its /metrics count a request's
-    tokens only later, so they cannot tell.)"""
+    a CLOCK_TOKENS request sent just after it has finished, and the server admits requests as
+    they come and decodes the running ones together, so the long one has sampled tokens and
+    has most of its own to go. (The server's /metrics count a request's tokens only later, so
+    they cannot tell.)"""
     task = asyncio.create_task(engine.generate(ENDLESS_PROMPT, greedy(max_new_tokens), request_id))
-    await engine.generate(ENDLESS_PROMPT, greedy(2), f"{request_id}-behind")
+    await engine.generate(ENDLESS_PROMPT, greedy(CLOCK_TOKENS), f"{request_id}-clock")
     return task
 
 

@@ -19,6 +19,7 @@ import torch
 from google.protobuf import duration_pb2
 
 from rollout_svc.engines.base import SamplingParams
+from tests.engines.test_vllm_engine import start_generating
 from tests.rollout_svc import weight_sender
 from tests.rollout_svc.test_rollout_service import generate, rollout_server, teacher_forced_logprobs
 from tests.trainer_svc.test_weight_push import DEAD_ADDRESS, connected, load, packed
@@ -35,9 +36,6 @@ EXACT = 1e-5
 # Two buckets of the weight_sender's tiny model tensors: the last norm, then the first.
 NORMS = ["model.norm.weight:float32:128", "model.layers.0.input_layernorm.weight:float32:128"]
 WAIT_SECONDS = 60.0
-# The shipped model samples no EOS greedily in 600 tokens after this prompt (after [1, 2, 3, 4]
-# it does at the 41st).
-LONG_PROMPT = [20, 30, 40, 50]
 BROKEN = "weights incomplete after a broken push to version 1"
 
 
@@ -132,10 +130,7 @@ async def test_a_push_during_a_generation_splits_its_tokens_by_version(
 ):
     perturbed = load(vllm_server.model_path, noise_seed=3)
     async with vllm_replica(vllm_server) as stub, connected([stub], "broadcast") as pusher:
-        running = asyncio.create_task(vllm_engine.generate(LONG_PROMPT, greedy(600), "long"))
-        # A short request decodes beside it, step by step: once it is done, the long one has
-        # sampled tokens and has most of its 600 to go (the server's metrics lag too much).
-        await vllm_engine.generate(LONG_PROMPT, greedy(40), "clock")
+        running = await start_generating(vllm_engine, "long")
         await pusher.push(packed(perturbed.state_dict(), 64 * 1024), 1)
         output = await asyncio.wait_for(running, WAIT_SECONDS)
     count = len(output.output_ids)
