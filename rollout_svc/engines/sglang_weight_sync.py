@@ -43,8 +43,8 @@ import torch
 from rollout_svc.engines.engine_http import EngineHttp
 from rollout_svc.engines.sglang_api import WeightSyncReply, dtype_name
 from rollout_svc.engines.sglang_weights import (
-    check_against_checkpoint,
-    checkpoint_shapes,
+    CheckpointShapes,
+    check_not_older,
     write_update,
 )
 from turnrl.errors import FailedPreconditionError, InvalidArgumentError, TurnrlError
@@ -78,8 +78,7 @@ class ServerWeights:
         # open: left by a close that failed, or by an earlier client), or "unsupported" (the
         # server has no session routes).
         self._session: Literal["open", "closed", "unknown", "unsupported"] = "unknown"
-        # The checkpoint's parameter shapes, read on the first update (None: not local).
-        self._checkpoint_shapes: dict[str, tuple[int, ...]] | None = None
+        self._checkpoint = CheckpointShapes(model_path)
 
     async def join(
         self,
@@ -193,7 +192,7 @@ class ServerWeights:
                 f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, "
                 f"{len(shapes)}"
             )
-        self._check_version(policy_version)
+        check_not_older(policy_version, self.policy_version)
         body = {
             "names": list(names),
             "dtypes": [dtype_name(dtype) for dtype in dtypes],
@@ -223,7 +222,7 @@ class ServerWeights:
         InvalidArgumentError, before the server sees them, for a tensor its checkpoint lacks
         or has in another shape, FailedPreconditionError when the version is older than the
         loaded one or the server fails to load them (the weights are incomplete then)."""
-        self._check_version(policy_version)
+        check_not_older(policy_version, self.policy_version)
         named_tensors = list(named_tensors)
         self.check([TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in named_tensors])
         with tempfile.TemporaryDirectory(prefix="turnrl-weights-") as folder:
@@ -236,13 +235,9 @@ class ServerWeights:
             await self._change("/update_weights_from_disk", body, policy_version, True)
 
     def check(self, metas: Sequence[TensorMeta]) -> None:
-        """Raises InvalidArgumentError naming the first tensor that the server's model
-        checkpoint (the rollout config's `model_path`, when it is a local folder) lacks or
-        has in another shape; with no local checkpoint the server's own load checks them."""
-        if self._checkpoint_shapes is None:
-            self._checkpoint_shapes = checkpoint_shapes(self._model_path) or {}
-        if self._checkpoint_shapes:
-            check_against_checkpoint(metas, self._checkpoint_shapes)
+        """Raises InvalidArgumentError naming the first tensor the server's model checkpoint
+        lacks or has in another shape (`CheckpointShapes.check`)."""
+        self._checkpoint.check(metas)
 
     async def _open_session(self) -> None:
         """Opens a weight-update session unless ours is open, after closing one that may be
@@ -280,13 +275,6 @@ class ServerWeights:
             log.warning("could not close the weight-update session on %s: %s", self._http.name, e)
             return
         self._session = "closed"
-
-    def _check_version(self, policy_version: int) -> None:
-        if policy_version < self.policy_version:
-            raise FailedPreconditionError(
-                f"policy_version {policy_version} is older than the loaded version "
-                f"{self.policy_version}"
-            )
 
     async def _change(self, path: str, body: dict, policy_version: int, completes: bool) -> None:
         """Has the server change its weights; takes `policy_version` once it did. The weights

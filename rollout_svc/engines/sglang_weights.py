@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from turnrl.errors import InvalidArgumentError
+from turnrl.errors import FailedPreconditionError, InvalidArgumentError
 from turnrl.weights import TensorMeta
 
 # What a disk update's folder holds besides the weights: SGLang reads the model's config there.
@@ -48,6 +48,32 @@ def check_against_checkpoint(
                 f"tensor {meta.name!r} has shape {list(meta.shape)}, the server's model "
                 f"{list(shapes[meta.name])}"
             )
+
+
+class CheckpointShapes:
+    """The server's model checkpoint as updates are checked against it: the shapes of the
+    rollout config's `model_path`, read on the first check."""
+
+    def __init__(self, model_path: str) -> None:
+        self._model_path = model_path
+        self._shapes: dict[str, tuple[int, ...]] | None = None  # {}: not a local folder
+
+    def check(self, metas: Sequence[TensorMeta]) -> None:
+        """Raises InvalidArgumentError naming the first tensor that the checkpoint (when
+        `model_path` is a local folder) lacks or has in another shape; with no local
+        checkpoint the server's own load checks them."""
+        if self._shapes is None:
+            self._shapes = checkpoint_shapes(self._model_path) or {}
+        if self._shapes:
+            check_against_checkpoint(metas, self._shapes)
+
+
+def check_not_older(policy_version: int, loaded_version: int) -> None:
+    """Raises FailedPreconditionError for an update older than the weights loaded."""
+    if policy_version < loaded_version:
+        raise FailedPreconditionError(
+            f"policy_version {policy_version} is older than the loaded version {loaded_version}"
+        )
 
 
 def write_update(

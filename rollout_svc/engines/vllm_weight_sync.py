@@ -30,8 +30,8 @@ from pydantic import BaseModel
 
 from rollout_svc.engines.engine_http import EngineHttp
 from rollout_svc.engines.sglang_weights import (
-    check_against_checkpoint,
-    checkpoint_shapes,
+    CheckpointShapes,
+    check_not_older,
     write_update,
 )
 from turnrl.errors import FailedPreconditionError, InvalidArgumentError, TurnrlError
@@ -75,8 +75,7 @@ class VllmServerWeights:
         self.policy_version = 0  # of the weights loaded
         self.incomplete_update: int | None = None  # the Engine's `broken_push_version`
         self._group = ""  # the weight-sync group the workers are in
-        # The checkpoint's parameter shapes, read on the first update (None: not local).
-        self._checkpoint_shapes: dict[str, tuple[int, ...]] | None = None
+        self._checkpoint = CheckpointShapes(model_path)
         self.last_update_seconds: dict[str, float] = {}  # the workers' receive/load times
 
     async def join(
@@ -129,7 +128,7 @@ class VllmServerWeights:
         if layout not in LAYOUTS:
             raise InvalidArgumentError(f"layout {layout!r} is not one of {list(LAYOUTS)}")
         self.check(metas)
-        self._check_version(policy_version)
+        check_not_older(policy_version, self.policy_version)
         if group_name != self._group:
             raise FailedPreconditionError(
                 f"the vLLM server is not in weight-sync group {group_name!r}; call "
@@ -154,7 +153,7 @@ class VllmServerWeights:
         InvalidArgumentError, before the server sees them, for a tensor its checkpoint lacks
         or has in another shape, FailedPreconditionError when the version is older than the
         loaded one or the load fails (the weights are incomplete then)."""
-        self._check_version(policy_version)
+        check_not_older(policy_version, self.policy_version)
         named_tensors = list(named_tensors)
         self.check([TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in named_tensors])
         with tempfile.TemporaryDirectory(prefix="turnrl-weights-") as folder:
@@ -164,20 +163,9 @@ class VllmServerWeights:
             )
 
     def check(self, metas: Sequence[TensorMeta]) -> None:
-        """Raises InvalidArgumentError naming the first tensor that the server's model
-        checkpoint (the rollout config's `model_path`, when it is a local folder) lacks or
-        has in another shape; with no local checkpoint vLLM's own load checks them."""
-        if self._checkpoint_shapes is None:
-            self._checkpoint_shapes = checkpoint_shapes(self._model_path) or {}
-        if self._checkpoint_shapes:
-            check_against_checkpoint(metas, self._checkpoint_shapes)
-
-    def _check_version(self, policy_version: int) -> None:
-        if policy_version < self.policy_version:
-            raise FailedPreconditionError(
-                f"policy_version {policy_version} is older than the loaded version "
-                f"{self.policy_version}"
-            )
+        """Raises InvalidArgumentError naming the first tensor the server's model checkpoint
+        lacks or has in another shape (`CheckpointShapes.check`)."""
+        self._checkpoint.check(metas)
 
     async def _change(self, method: str, kwargs: dict, policy_version: int) -> None:
         """Has the workers change their weights, then labels what the server generates from
