@@ -90,18 +90,21 @@ async def _status_of_get_stats(client: ClientConfig, token: str | None = None) -
     return "OK"
 
 
-async def _answers_again(replica: str, token: str, ca_file: Path) -> None:
-    """Returns once the rollout replica at `replica` answers again: its launcher restarted it
-    where it was."""
+async def _answers_again(
+    replica: str, token: str, ca_file: Path, run: asyncio.subprocess.Process
+) -> bool:
+    """Whether the rollout replica at `replica` answers again (its launcher restarted it
+    where it was) before the run ends."""
     client = ClientConfig(address=replica, tls_ca_file=ca_file)
     async with rpc.open_channel(client, token=token) as channel:
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-        while True:
+        while run.returncode is None:
             try:
                 await stub.GetStats(rollout_pb2.GetStatsRequest(), timeout=5)
-                return
+                return True
             except errors.UnavailableError:
                 await asyncio.sleep(0.2)
+    return False
 
 
 def _on_cluster(address: str, function):
@@ -149,6 +152,8 @@ async def test_a_run_on_two_ray_nodes_survives_a_lost_rollout_replica(
     try:
         async with asyncio.timeout(900):
             while not (run_dir / "config.yaml").exists():  # noqa: ASYNC110
+                # A launch that ends before the run starts fails here, not at the timeout.
+                assert process.returncode is None, (await output)[1].decode()[-4000:]
                 await asyncio.sleep(0.1)
             token, ca = await asyncio.to_thread(_on_cluster, ray_cluster, _launch_token_and_ca)
             # A copy: the launch removes its own when it ends.
@@ -160,7 +165,7 @@ async def test_a_run_on_two_ray_nodes_survives_a_lost_rollout_replica(
             without_token = await _status_of_get_stats(with_tls)
             plaintext = await _status_of_get_stats(ClientConfig(address=replica_0), token)
             placed = await asyncio.to_thread(_on_cluster, ray_cluster, _service_nodes)
-            await _answers_again(killed, token, ca_file)
+            answered_again = await _answers_again(killed, token, ca_file, process)
             _, stderr = await output
             await process.wait()
     finally:
@@ -168,6 +173,9 @@ async def test_a_run_on_two_ray_nodes_survives_a_lost_rollout_replica(
             process.send_signal(signal.SIGINT)
             await process.wait()
     assert process.returncode == 0, stderr.decode()[-4000:]
+    assert answered_again, (
+        f"the run ended before {killed} answered again: {stderr.decode()[-4000:]}"
+    )
     # Bound to its node's address, a service takes the token its launcher made, only, and
     # over TLS only (launcher.tls auto): a plaintext call fails its handshake.
     assert without_token == "UNAUTHENTICATED"

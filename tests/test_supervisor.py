@@ -41,3 +41,28 @@ async def test_a_restart_that_never_serves_is_killed_and_retried_until_the_polic
     assert service.restarts == 2
     assert service.process.returncode == -signal.SIGKILL  # the hung restart was killed
     assert "did not report SERVING within 0.5s" in service.exit_description()
+
+
+# A crash whose last line, as gRPC's own log lines do, reads like rich markup.
+CRASHING = [
+    sys.executable,
+    "-c",
+    "import sys; sys.stderr.write('call failed [/turnrl.v1.RolloutService/GetStats] [red]\\n');"
+    " sys.exit(3)",
+]
+
+
+async def test_a_service_whose_last_output_looks_like_markup_is_reported_as_written(capsys):
+    service = ServiceProcess(
+        "rollout", ServerConfig(port=0), list(CRASHING), None, address="127.0.0.1:1"
+    )
+    await service.start()
+    policy = RestartPolicy(max_restarts=1, backoff_seconds=0)
+    async with asyncio.timeout(60):
+        code = await supervise(
+            [service], RestartPolicies(rollout=policy), asyncio.Event(), Console(quiet=True)
+        )
+    assert code == 1
+    reported = capsys.readouterr().err
+    assert "restarting it in 0.0s" in reported
+    assert "call failed [/turnrl.v1.RolloutService/GetStats] [red]" in reported

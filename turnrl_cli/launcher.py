@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from turnrl import errors, rpc
@@ -70,7 +71,7 @@ async def up(config_path: Path | None, overrides: Sequence[str], check: bool) ->
             console.print(f"{len(services)} services SERVING; Ctrl-C stops them")
             return await supervise(services, project.launcher.restart, stop_requested, console)
     except ServiceDiedError as e:
-        Console(stderr=True).print(f"[red]turnrl up: {e}[/red]", highlight=False)
+        Console(stderr=True).print(f"[red]turnrl up: {escape(str(e))}[/red]", highlight=False)
         return 1
     except StartupInterruptedError:
         console.print("interrupted during start-up; stopped all services")
@@ -109,7 +110,7 @@ async def run(config_path: Path, overrides: Sequence[str], resume: bool) -> int:
             gave_up = supervisor.done() and not supervisor.cancelled() and supervisor.result()
             return 1 if gave_up else code
     except ServiceDiedError as e:
-        console.print(f"[red]turnrl run: {e}[/red]", highlight=False)
+        console.print(f"[red]turnrl run: {escape(str(e))}[/red]", highlight=False)
         return 1
     except StartupInterruptedError:
         console.print("interrupted during start-up; stopped all services")
@@ -264,7 +265,7 @@ async def _check(services: list[LaunchedService], console: Console) -> int:
     expected = {f"turnrl.v1.{service.name.capitalize()}Service" for service in services}
     missing = expected - {name for names in listed.values() for name in names}
     if missing:
-        console.print(f"[red]turnrl up --check: not served: {sorted(missing)}[/red]")
+        console.print(f"[red]turnrl up --check: not served: {escape(str(sorted(missing)))}[/red]")
         return 1
     console.print(
         f"check passed: {len(services)} services SERVING over gRPC health, each listed by "

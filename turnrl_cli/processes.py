@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rich.console import Console
+from rich.markup import escape
 
 from turnrl import rpc
 from turnrl.config import ClientConfig, ServerConfig
@@ -392,7 +393,7 @@ async def supervise(
                 service = waiters.pop(task)
                 if not await _restarted(service, getattr(restart, service.name), stop_requested):
                     Console(stderr=True).print(
-                        f"[red]turnrl: {service.exit_description()}[/red]", highlight=False
+                        f"[red]turnrl: {escape(service.exit_description())}[/red]", highlight=False
                     )
                     console.print("stopping the other services")
                     return 1
@@ -411,7 +412,7 @@ async def _restarted(
         return False
     wait = min(policy.backoff_seconds * 2**service.restarts, policy.max_backoff_seconds)
     Console(stderr=True).print(
-        f"[yellow]turnrl: {service.exit_description()}\nrestarting it in {wait:.1f}s "
+        f"[yellow]turnrl: {escape(service.exit_description())}\nrestarting it in {wait:.1f}s "
         f"(restart {service.restarts + 1} of {policy.max_restarts})[/yellow]",
         highlight=False,
     )

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -45,12 +46,16 @@ async def follow_run(
                     progress.update(bar, total=(await stub.GetRun(get, timeout=30)).run.total_steps)
                 progress.update(bar, completed=event.step, status=_status_line(event))
                 if event.stage in ("eval", "setup", "state") and event.message:
-                    progress.console.print(f"step {event.step}: {event.stage}: {event.message}")
+                    progress.console.print(
+                        f"step {event.step}: {event.stage}: {escape(event.message)}"
+                    )
         finally:  # the trainer may be gone: a later Ctrl-C is not this follower's to forward
             stopper.cancel()
     final = (await stub.GetRun(trainer_pb2.GetRunRequest(run_name=run.name), timeout=30)).run
     if final.state == State.STATE_FAILED:
-        console.print(f"[red]turnrl run: run failed: {final.error_message}[/red]", highlight=False)
+        console.print(
+            f"[red]turnrl run: run failed: {escape(final.error_message)}[/red]", highlight=False
+        )
         return 1
     console.print(_summary_table(final))
     return 0

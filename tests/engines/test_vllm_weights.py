@@ -19,7 +19,7 @@ import torch
 from google.protobuf import duration_pb2
 
 from rollout_svc.engines.base import SamplingParams
-from tests.engines.test_vllm_engine import start_generating
+from tests.engines.test_vllm_engine import paused_mid_request
 from tests.rollout_svc import weight_sender
 from tests.rollout_svc.test_rollout_service import generate, rollout_server, teacher_forced_logprobs
 from tests.trainer_svc.test_weight_push import DEAD_ADDRESS, connected, load, packed
@@ -130,7 +130,9 @@ async def test_a_push_during_a_generation_splits_its_tokens_by_version(
 ):
     perturbed = load(vllm_server.model_path, noise_seed=3)
     async with vllm_replica(vllm_server) as stub, connected([stub], "broadcast") as pusher:
-        running = await start_generating(vllm_engine, "long")
+        # Paused first: on a busy machine the request could end before the push's own pause
+        # lands. The push pauses again (a no-op), loads, and resumes the request.
+        running, _ = await paused_mid_request(vllm_engine, vllm_server.url, "long")
         await pusher.push(packed(perturbed.state_dict(), 64 * 1024), 1)
         output = await asyncio.wait_for(running, WAIT_SECONDS)
     count = len(output.output_ids)
