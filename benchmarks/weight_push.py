@@ -12,9 +12,15 @@ layout. The pause alone (Pause to Resume) and the copy alone (pack, waited for) 
 and one gRPC-fallback push (PushWeights stream). The reference is a raw gloo broadcast of one
 flat buffer of the same size from this process to a second one (buffers allocated once, each
 broadcast followed by a barrier), timed just before each push, so that both see the same
-machine: the figures are medians of the pairs.
+machine: the figures are medians of the pairs. Each pipelined push is followed by a push of
+an update copied in beforehand (the push machinery alone, against a raw broadcast of its own).
+
+With `--engine vllm` the rollout service runs on a vLLM server of the model that it launches
+from `--engine-python` (vLLM's environment, `make engine-env ENGINE=vllm`; the CPU build here,
+fp32), and the pushes land in turnrl's worker extension inside that server.
 
     .venv/bin/python benchmarks/weight_push.py [--pushes 9] [--bucket-mib 100] [--layers 12]
+    .venv/bin/python benchmarks/weight_push.py --engine vllm --engine-python .venv-vllm/bin/python
 
 The last line printed is one JSON object with the headline figures.
 """
@@ -34,7 +40,7 @@ import smoke_mode
 import torch
 import torch.distributed as dist
 from child_processes import served
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from trainer_svc.config import WeightSyncConfig
 from trainer_svc.weight_push import WeightPusher
@@ -67,38 +73,56 @@ async def time_pushes(address: str, tensors: dict, args: argparse.Namespace) -> 
     bucket_size_bytes = args.bucket_mib * 1024 * 1024
     weights = BucketedWeights.pack(tensors.items(), bucket_size_bytes)
     weights.wait_packed()
-    raw = await asyncio.to_thread(RawBroadcast, weights.nbytes, args.pushes + 1)
+    raw = await asyncio.to_thread(RawBroadcast, weights.nbytes, 2 * (args.pushes + 1))
     async with rpc.open_channel(ClientConfig(address=address)) as channel:
         stubs = [rollout_pb2_grpc.RolloutServiceStub(channel)]
         pusher = await WeightPusher.connect(stubs, timeout_seconds=60)
         assert pusher.mode == "broadcast", "the weight-sync group did not form"
         try:
             push_seconds, pause_seconds, raw_seconds = [], [], []
-            for version in range(1, args.pushes + 2):
+            prepacked_seconds, prepacked_raw_seconds = [], []
+            for push in range(args.pushes + 1):
                 raw_seconds.append(await asyncio.to_thread(raw.once))
                 started = time.perf_counter()
                 weights = BucketedWeights.pack(
                     tensors.items(), bucket_size_bytes, reuse=weights.data
                 )
-                pause_seconds.append((await pusher.push(weights, version)).seconds)
+                pause_seconds.append((await pusher.push(weights, 2 * push + 1)).seconds)
                 push_seconds.append(time.perf_counter() - started)
+                # The same push of an update copied in beforehand: the push machinery alone.
+                prepacked_raw_seconds.append(await asyncio.to_thread(raw.once))
+                weights = BucketedWeights.pack(
+                    tensors.items(), bucket_size_bytes, reuse=weights.data
+                )
+                await asyncio.to_thread(weights.wait_packed)
+                started = time.perf_counter()
+                await pusher.push(weights, 2 * push + 2)
+                prepacked_seconds.append(time.perf_counter() - started)
         finally:
             pusher.close()
             raw.close()
         print("pack + push, seconds each:   ", " ".join(f"{s:.3f}" for s in push_seconds))
         print("raw broadcasts, seconds each:", " ".join(f"{s:.3f}" for s in raw_seconds))
+        print("prepacked push, seconds each:", " ".join(f"{s:.3f}" for s in prepacked_seconds))
         fallback = await WeightPusher.connect(stubs, mode="grpc")
-        grpc_result = await fallback.push(weights, args.pushes + 2)
+        grpc_result = await fallback.push(weights, 2 * args.pushes + 3)
     return {
         "push_s": statistics.median(push_seconds[1:]),
         "pause_s": statistics.median(pause_seconds[1:]),
         "raw_s": statistics.median(raw_seconds[1:]),
-        "fraction_of_raw": statistics.median(
-            raw / push for raw, push in zip(raw_seconds[1:], push_seconds[1:], strict=True)
+        "fraction_of_raw": paired_fraction(raw_seconds[1:], push_seconds[1:]),
+        "prepacked_push_s": statistics.median(prepacked_seconds[1:]),
+        "prepacked_fraction_of_raw": paired_fraction(
+            prepacked_raw_seconds[1:], prepacked_seconds[1:]
         ),
         "warmup_s": push_seconds[0],
         "grpc_s": grpc_result.seconds,
     }
+
+
+def paired_fraction(raw_seconds: list[float], push_seconds: list[float]) -> float:
+    """The median of raw / push over pairs timed one just after the other."""
+    return statistics.median(r / p for r, p in zip(raw_seconds, push_seconds, strict=True))
 
 
 def time_packing(tensors: dict, bucket_size_bytes: int, repeats: int) -> float:
@@ -161,6 +185,18 @@ def broadcast_and_barrier(group: dist.ProcessGroup, buffer: torch.Tensor) -> flo
     return time.perf_counter() - started
 
 
+def engine_overrides(args: argparse.Namespace) -> list[str]:
+    """The rollout service's engine: hf in its own process, or a vLLM server it launches."""
+    if args.engine == "hf":
+        return []
+    launch = "rollout.engine_options.launch"
+    return [
+        "rollout.engine=vllm", "rollout.engine_options.cpu_kv_cache_space_gib=1",
+        f"{launch}.python={args.engine_python}", f"{launch}.port=0",
+        f"{launch}.extra_args=[--dtype, float32]",  # as pushed: vLLM's auto would be bf16
+    ]  # fmt: skip
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pushes", type=int, default=9, help="timed pushes after one warm-up")
@@ -172,6 +208,12 @@ async def main() -> None:
     )
     parser.add_argument("--layers", type=int, default=MODEL_SHAPE["num_hidden_layers"])
     parser.add_argument("--vocab-size", type=int, default=MODEL_SHAPE["vocab_size"])
+    parser.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    parser.add_argument(
+        "--engine-python",
+        default=".venv-vllm/bin/python",
+        help="vllm: the interpreter of vLLM's environment, which launches its server",
+    )
     parser.add_argument("--raw-receiver", help=argparse.SUPPRESS)
     args = smoke_mode.parse_args(parser, {"pushes": 1, "layers": 1, "vocab_size": 1024})
     if args.raw_receiver:
@@ -193,10 +235,12 @@ async def main() -> None:
         print(f"{size_bytes / 1e6 / 4:.1f}M parameters, {size_bytes / 2**20:.0f} MiB of fp32")
         bucket_size_bytes = args.bucket_mib * 1024 * 1024
         nowhere = "127.0.0.1:1"  # a weight push calls no tool or reward service
+        tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
+        tokenizer.save_pretrained(model_dir)  # a vLLM server loads it from the model's folder
         rollout = served(
             "rollout", f"rollout.model_path={model_dir}",
-            f"rollout.tokenizer_path={build_tiny_model()}",
             f"rollout.tool_service.address={nowhere}", f"rollout.reward_service.address={nowhere}",
+            *engine_overrides(args),
         )  # fmt: skip
         async with rollout as (_, address):
             timed = await time_pushes(address, tensors, args)
@@ -207,6 +251,7 @@ async def main() -> None:
     rows = [
         (f"pack + push (broadcast, bucket {args.bucket_mib} MiB)", timed["push_s"]),
         ("  of which paused (Pause to Resume)", timed["pause_s"]),
+        ("push of an update packed beforehand", timed["prepacked_push_s"]),
         ("push (gRPC fallback)", timed["grpc_s"]),
         ("raw gloo broadcast, one buffer", raw_s),
         ("pack alone (trainer)", pack_s),
@@ -215,12 +260,15 @@ async def main() -> None:
     for name, seconds in rows:
         print(f"{name:<42} {seconds:>8.3f} {size_bytes / GIB / seconds:>7.2f}")
     figures = {
+        "engine": args.engine,
         "push_gib_s": round(push_gib_s, 3),
         "raw_gib_s": round(raw_gib_s, 3),
         "fraction_of_raw": round(timed["fraction_of_raw"], 3),
+        "prepacked_fraction_of_raw": round(timed["prepacked_fraction_of_raw"], 3),
         "grpc_gib_s": round(grpc_gib_s, 3),
         "push_s": round(timed["push_s"], 4),
         "pause_s": round(timed["pause_s"], 4),
+        "prepacked_push_s": round(timed["prepacked_push_s"], 4),
         "raw_s": round(raw_s, 4),
         "warmup_push_s": round(timed["warmup_s"], 4),
         "pack_s": round(pack_s, 4),

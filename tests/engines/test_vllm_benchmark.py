@@ -1,7 +1,7 @@
-"""`benchmarks/rollout_async_vs_batch.py --engine vllm` in its smoke mode: the rollouts on a
-vLLM CPU server the benchmark's engine launches from vLLM's own environment
-($TURNRL_VLLM_PYTHON), ending with its headline figures. (tests/benchmarks/test_smoke.py runs
-the hf engine's smoke in `make test`.) This file sorts before test_vllm_engine.py, whose
+"""`benchmarks/rollout_async_vs_batch.py --engine vllm` and `benchmarks/weight_push.py --engine
+vllm` in their smoke modes: the rollouts on, and the pushes into, a vLLM CPU server launched
+from vLLM's own environment ($TURNRL_VLLM_PYTHON), each ending with its headline figures.
+(tests/benchmarks/test_smoke.py runs the hf engine's smokes in `make test`.) This file sorts before test_vllm_engine.py, whose
 session-wide server starts only there: one server at a time on the two cores."""
 
 import json
@@ -39,3 +39,21 @@ def test_rollout_benchmark_smoke_on_vllm(vllm_python, tmp_path):
     assert headline["direct_same_tokens"], headline
     assert headline["model_tokens_per_rollout"] > 0, headline
     assert headline["rollout_tokens_per_s"] > 0 and headline["service_cost"] > 0, headline
+
+
+@pytest.mark.timeout(TIMEOUT_SECONDS + 60)
+def test_weight_push_benchmark_smoke_on_vllm(vllm_python, tmp_path):
+    command = [
+        *(sys.executable, str(REPO_ROOT / "benchmarks" / "weight_push.py"), "--smoke"),
+        *("--engine", "vllm", "--engine-python", vllm_python),
+    ]
+    env = {**os.environ, "PYTHONASYNCIODEBUG": ""}
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_SECONDS
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    headline = json.loads(done.stdout.strip().splitlines()[-1])
+    assert headline["engine"] == "vllm", headline
+    # Every push reached the server's worker extension: a refused one raises before the JSON.
+    assert headline["push_s"] > 0 and headline["prepacked_push_s"] > 0, headline
+    assert headline["grpc_gib_s"] > 0, headline
