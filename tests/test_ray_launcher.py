@@ -151,7 +151,7 @@ async def test_a_run_on_two_ray_nodes_survives_a_lost_rollout_replica(
     output = asyncio.gather(process.stdout.read(), process.stderr.read())
     try:
         async with asyncio.timeout(900):
-            while not (run_dir / "config.yaml").exists():  # noqa: ASYNC110
+            while not (run_dir / "config.yaml").exists():
                 # A launch that ends before the run starts fails here, not at the timeout.
                 assert process.returncode is None, (await output)[1].decode()[-4000:]
                 await asyncio.sleep(0.1)
