@@ -3,7 +3,7 @@ weight-sync group itself (SGLang's `init_weights_update_group`, with its tensor-
 ranks) and receives each update on it, tensor by tensor (one `update_weights_from_distributed`
 call per bucket) or in flattened buckets where the server takes them; without a group
 (PushWeights), an update goes as a safetensors folder (`update_weights_from_disk`). Names and
-shapes are checked against the model's checkpoint first (`sglang_weights`), and each update
+shapes are checked against the model's checkpoint first (`server_weights`), and each update
 names its `policy_version` as SGLang's `weight_version`. (Paths below: the SGLang 0.5.23
 wheel's, under `sglang/srt/`.)
 
@@ -41,12 +41,12 @@ import httpx
 import torch
 
 from rollout_svc.engines.engine_http import EngineHttp
-from rollout_svc.engines.sglang_api import WeightSyncReply, dtype_name
-from rollout_svc.engines.sglang_weights import (
+from rollout_svc.engines.server_weights import (
     CheckpointShapes,
     check_not_older,
     write_update,
 )
+from rollout_svc.engines.sglang_api import WeightSyncReply, dtype_name
 from turnrl.errors import FailedPreconditionError, InvalidArgumentError, TurnrlError
 from turnrl.weights import TensorMeta, bucket_indices, dtype_runs
 

@@ -3,7 +3,7 @@ trainer's weight-sync group themselves and receive each update there, through tu
 extension inside vLLM (`turnrl.vllm_worker_extension`, which the server must be started with),
 called over the dev-mode endpoint `POST /collective_rpc`; without a group (PushWeights), an
 update goes as a safetensors folder on the disk both share, which the extension loads. Names
-and shapes are checked against the model's checkpoint first (`sglang_weights`: the same
+and shapes are checked against the model's checkpoint first (`server_weights`: the same
 checkpoint rules hold for both servers), and each completed update names its
 `policy_version` as vLLM's weight version (`POST /update_weight_version`), which the server
 stamps on the tokens it generates after it. The prefix cache is emptied after each update
@@ -29,7 +29,7 @@ import torch
 from pydantic import BaseModel
 
 from rollout_svc.engines.engine_http import EngineHttp
-from rollout_svc.engines.sglang_weights import (
+from rollout_svc.engines.server_weights import (
     CheckpointShapes,
     check_not_older,
     write_update,

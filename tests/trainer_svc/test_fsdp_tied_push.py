@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout_svc.engines.sglang_weights import check_against_checkpoint, checkpoint_shapes
+from rollout_svc.engines.server_weights import check_against_checkpoint, checkpoint_shapes
 from tests.rollout_svc.test_rollout_service import rollout_server
 from tests.trainer_svc.test_weight_push import (
     DEAD_ADDRESS,

@@ -1,7 +1,8 @@
-"""What the SGLang engine needs to check and carry weights that the server, not this process,
-holds: the parameter shapes of the server's checkpoint, read from its safetensors headers (no
-tensor is loaded), and an update written as a safetensors folder for SGLang's
-`/update_weights_from_disk` (the PushWeights fallback, when no weight-sync group formed).
+"""What the SGLang and vLLM engines need to check and carry weights that their server, not this
+process, holds: the parameter shapes of the server's checkpoint, read from its safetensors
+headers (no tensor is loaded), the check that an update is newer than the server's, and an
+update written as a safetensors folder (the PushWeights fallback, when no weight-sync group
+formed: SGLang's `/update_weights_from_disk`, the vLLM extension's folder load).
 """
 
 import shutil
