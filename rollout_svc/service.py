@@ -29,7 +29,8 @@ from rollout_svc.engines.base import (
     ServerHeldWeights,
     broken_push_error,
 )
-from rollout_svc.gateway.sessions import ChatSessions, SessionLimits
+from rollout_svc.gateway.session_state import SessionLimits
+from rollout_svc.gateway.sessions import ChatSessions
 from rollout_svc.interactions import INTERACTIONS
 from rollout_svc.interactions.base import Interaction
 from rollout_svc.parsers import PARSERS

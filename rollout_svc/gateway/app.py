@@ -34,7 +34,8 @@ from starlette.routing import Route
 from rollout_svc.config import GatewayConfig
 from rollout_svc.gateway import replies
 from rollout_svc.gateway.requests import ChatCompletionRequest, parse_request
-from rollout_svc.gateway.sessions import ChatSessions, ModelTurn
+from rollout_svc.gateway.session_state import ModelTurn, PendingTurn
+from rollout_svc.gateway.sessions import ChatSessions
 from turnrl.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -142,7 +143,7 @@ async def serve_gateway(config: GatewayConfig, sessions: ChatSessions) -> AsyncI
 async def _stream(
     sessions: ChatSessions,
     tokenizer,
-    pending,
+    pending: PendingTurn,
     chat: ChatCompletionRequest,
     completion_id: str,
     created: int,

@@ -5,7 +5,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from rollout_svc.gateway.sessions import ModelTurn
+from rollout_svc.gateway.session_state import ModelTurn
 from turnrl.trajectory import Trajectory
 
 # OpenAI's error `type` by HTTP status.

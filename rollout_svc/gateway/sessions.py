@@ -17,28 +17,30 @@ a session that ended is refused the same way.
 import asyncio
 import copy
 import dataclasses
-import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_svc.engines.base import Engine, SamplingParams
 from rollout_svc.engines.base import FinishReason as EngineFinish
 from rollout_svc.gateway import history
 from rollout_svc.gateway.requests import ChatCompletionRequest, RequestFieldError
+from rollout_svc.gateway.session_state import (
+    ModelTurn,
+    PendingTurn,
+    Session,
+    SessionLimits,
+    SessionState,
+    check_session_id,
+    engine_session,
+    session_trajectory,
+)
 from rollout_svc.parsers import ParsedTurn
 from turnrl.chat_tokens import ConversationTokens
-from turnrl.errors import (
-    FailedPreconditionError,
-    InvalidArgumentError,
-    NotFoundError,
-    UnavailableError,
-)
+from turnrl.errors import FailedPreconditionError, NotFoundError, UnavailableError
 from turnrl.messages import openai_tool_call
 from turnrl.trajectory import (
-    FinishReason,
     Segment,
     SegmentSource,
     Trajectory,
@@ -47,68 +49,8 @@ from turnrl.trajectory import (
     model_segments,
 )
 
-SESSION_ID = re.compile(r"[A-Za-z0-9._~:-]{1,128}")
 # Ended sessions remembered, so that reusing one is refused, not a fresh session.
 ENDED_SESSIONS_KEPT = 65_536
-
-
-@dataclass(frozen=True)
-class SessionLimits:
-    """The rollout config's length limits, applied to each session's trajectory."""
-
-    max_model_len: int
-    max_response_length: int
-    max_new_tokens: int
-
-
-@dataclass(frozen=True)
-class ModelTurn:
-    """One answered request: the assistant message the session recorded and what it cost."""
-
-    message: dict[str, Any]
-    finish_reason: str  # OpenAI's: "stop", "length" or "tool_calls"
-    output_ids: list[int]
-    logprobs: list[float]
-    prompt_tokens: int
-
-
-@dataclass
-class _State:
-    """What a session has recorded; replaced whole when a turn is committed."""
-
-    tokens: ConversationTokens | None = None  # None until the first turn
-    tools: list[dict[str, Any]] | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    segments: list[Segment] = field(default_factory=list)
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    turns: list[TurnMetrics] = field(default_factory=list)
-    last_finish: EngineFinish | None = None
-
-
-@dataclass
-class _Session:
-    """One session: what it recorded, and whether a request of it runs."""
-
-    session_id: str
-    state: _State = field(default_factory=_State)
-    # The state before the last turn and the messages of the request that made it, for a retry.
-    before_last: _State | None = None
-    last_request: list[dict[str, Any]] | None = None
-    busy: bool = False
-
-
-@dataclass(frozen=True)
-class _Pending:
-    """A request checked and tokenized, its turn not yet sampled: `state` is the session's
-    state with the request's new messages, committed once the model turn is added."""
-
-    session: _Session
-    request: ChatCompletionRequest
-    messages: list[dict[str, Any]]
-    base: _State
-    state: _State
-    input_ids: list[int]
-    sampling: SamplingParams
 
 
 class ChatSessions:
@@ -130,7 +72,7 @@ class ChatSessions:
         self._chat_template = chat_template
         self._parser = parser
         self._limits = limits
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str, Session] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()
 
     def check_model(self, model: str) -> None:
@@ -148,15 +90,15 @@ class ChatSessions:
         finally:
             self.release(session)
 
-    def claim(self, session_id: str, model: str) -> "_Session":
+    def claim(self, session_id: str, model: str) -> "Session":
         """The session, held for one request until `release` (created by its first request).
         Raises NotFoundError for another model than the served one, InvalidArgumentError for a
         malformed session id, FailedPreconditionError while another request of the session
         runs or after it ended."""
         self.check_model(model)
-        _check_session_id(session_id)
+        check_session_id(session_id)
         self._check_not_ended(session_id)
-        session = self._sessions.setdefault(session_id, _Session(session_id))
+        session = self._sessions.setdefault(session_id, Session(session_id))
         if session.busy:
             raise FailedPreconditionError(
                 f"session {session_id!r} has a request running; a session takes one at a time"
@@ -164,11 +106,11 @@ class ChatSessions:
         session.busy = True
         return session
 
-    def release(self, session: "_Session") -> None:
+    def release(self, session: "Session") -> None:
         """Lets the session take its next request."""
         session.busy = False
 
-    async def prepare(self, session: "_Session", request: ChatCompletionRequest) -> "_Pending":
+    async def prepare(self, session: "Session", request: ChatCompletionRequest) -> "PendingTurn":
         """The request's messages checked against the session (the prefix rule) and
         tokenized, with the turn's sampling. Raises InvalidArgumentError for a bad request or
         history, FailedPreconditionError when the session's last turn cannot be continued (cut
@@ -185,15 +127,19 @@ class ChatSessions:
             state = await self._next_turn(base, request, messages, stop_ids)
         input_ids = [t for segment in state.segments for t in segment.token_ids]
         sampling = SamplingParams(
-            max_new_tokens=self._budget(request, input_ids, state),
+            max_new_tokens=self._limits.budget(
+                request.max_completion_tokens or request.max_tokens,
+                len(input_ids),
+                len(state.segments[0].token_ids),
+            ),
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
             stop_token_ids=stop_ids,
             seed=request.seed,
         )
-        return _Pending(session, request, messages, base, state, input_ids, sampling)
+        return PendingTurn(session, request, messages, base, state, input_ids, sampling)
 
-    async def generate(self, pending: "_Pending") -> ModelTurn:
+    async def generate(self, pending: "PendingTurn") -> ModelTurn:
         """Samples the turn on the engine and records it in the session. Raises
         UnavailableError, recording nothing, when the engine could not answer (its weights
         mid-push, the request aborted)."""
@@ -205,7 +151,7 @@ class ChatSessions:
                 pending.input_ids,
                 pending.sampling,
                 request_id=f"gateway/{session.session_id}/{turn}/{time.monotonic_ns()}",
-                session_id=_engine_session(session.session_id),
+                session_id=engine_session(session.session_id),
             )
         except FailedPreconditionError as e:  # the engine's weights are mid-push
             raise UnavailableError(str(e)) from e
@@ -235,7 +181,7 @@ class ChatSessions:
     async def end(self, session_id: str) -> Trajectory:
         """Ends a session and returns its trajectory. NotFoundError for an unknown session;
         FailedPreconditionError while a request of it runs or after it ended."""
-        _check_session_id(session_id)
+        check_session_id(session_id)
         self._check_not_ended(session_id)
         session = self._sessions.get(session_id)
         if session is None:
@@ -246,8 +192,8 @@ class ChatSessions:
         self._ended[session_id] = None
         if len(self._ended) > ENDED_SESSIONS_KEPT:
             self._ended.popitem(last=False)
-        await self._engine.end_session(_engine_session(session_id))
-        return _trajectory(session)
+        await self._engine.end_session(engine_session(session_id))
+        return session_trajectory(session)
 
     def _check_not_ended(self, session_id: str) -> None:
         if session_id in self._ended:
@@ -258,7 +204,7 @@ class ChatSessions:
         request: ChatCompletionRequest,
         messages: list[dict[str, Any]],
         stop_ids: tuple[int, ...],
-    ) -> _State:
+    ) -> SessionState:
         tools = request.tool_schemas()
         tokens = ConversationTokens(
             self.tokenizer,
@@ -267,7 +213,7 @@ class ChatSessions:
             stop_token_ids=[self.tokenizer.eos_token_id, *stop_ids],
         )
         prompt_ids = await asyncio.to_thread(tokens.prompt_ids, messages)
-        return _State(
+        return SessionState(
             tokens=tokens,
             tools=tools,
             stop_token_ids=stop_ids,
@@ -277,11 +223,11 @@ class ChatSessions:
 
     async def _next_turn(
         self,
-        base: _State,
+        base: SessionState,
         request: ChatCompletionRequest,
         messages: list[dict[str, Any]],
         stop_ids: tuple[int, ...],
-    ) -> _State:
+    ) -> SessionState:
         if request.tool_schemas() != base.tools:
             raise RequestFieldError(
                 "tools differ from the session's first request; a session keeps its tools", "tools"
@@ -307,26 +253,6 @@ class ChatSessions:
             turns=list(base.turns),
         )
 
-    def _budget(self, request: ChatCompletionRequest, input_ids: list[int], state: _State) -> int:
-        """The turn's max_new_tokens: the request's, within the session's length limits."""
-        limits = self._limits
-        prompt_length = len(state.segments[0].token_ids)
-        asked = request.max_completion_tokens or request.max_tokens or limits.max_new_tokens
-        budget = min(
-            asked,
-            limits.max_new_tokens,
-            limits.max_model_len - len(input_ids),
-            limits.max_response_length - (len(input_ids) - prompt_length),
-        )
-        if budget <= 0:
-            raise RequestFieldError(
-                f"the session holds {len(input_ids)} tokens ({prompt_length} of prompt), no room "
-                f"for a turn under max_model_len {limits.max_model_len} and max_response_length "
-                f"{limits.max_response_length}; end the session",
-                "messages",
-            )
-        return budget
-
     def _stop_token_ids(self, request: ChatCompletionRequest) -> tuple[int, ...]:
         ids = []
         for text in request.stop_strings:
@@ -341,7 +267,7 @@ class ChatSessions:
         return tuple(ids)
 
     def _assistant_message(
-        self, pending: "_Pending", output_ids: list[int], finish: EngineFinish
+        self, pending: "PendingTurn", output_ids: list[int], finish: EngineFinish
     ) -> tuple[dict[str, Any], str]:
         """The assistant message that stands for the model's ids, and OpenAI's finish reason.
         A turn with a malformed call is returned as its text, so the agent sees what the
@@ -360,33 +286,3 @@ class ChatSessions:
             for index, call in enumerate(parsed.tool_calls)
         ]
         return {"role": "assistant", "content": parsed.content, "tool_calls": calls}, "tool_calls"
-
-
-def _check_session_id(session_id: str) -> None:
-    if not SESSION_ID.fullmatch(session_id):
-        raise InvalidArgumentError(
-            f"session id {session_id[:140]!r} must be 1-128 characters of A-Z a-z 0-9 . _ ~ : -"
-        )
-
-
-def _engine_session(session_id: str) -> str:
-    return f"gateway/{session_id}"
-
-
-def _trajectory(session: _Session) -> Trajectory:
-    state = session.state
-    reasons = {EngineFinish.LENGTH: FinishReason.MAX_NEW_TOKENS}
-    trajectory = Trajectory(
-        trajectory_id=session.session_id,
-        group_id=session.session_id,
-        sample_index=0,
-        segments=state.segments,
-        messages=state.messages,
-        finish_reason=reasons.get(state.last_finish, FinishReason.STOP),
-        turns=state.turns,
-    )
-    trajectory.metrics = {
-        "turns": float(len(state.turns)),
-        "model_tokens": float(sum(trajectory.loss_mask)),
-    }
-    return trajectory
