@@ -79,16 +79,16 @@ def build_app(sessions: ChatSessions, max_request_bytes: int) -> Starlette:
         except BaseException:
             sessions.release(session)
             raise
-        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        completion_id, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if chat.stream:
-            events = _stream(sessions, tokenizer, pending, chat, completion_id, created)
+            events = _stream(sessions, tokenizer, pending, chat, completion_id, now)
             return _EventStream(events, on_close=lambda: sessions.release(session))
         try:
             turn = await sessions.generate(pending)
         finally:
             sessions.release(session)
         logprobs = replies.token_logprobs(tokenizer, turn) if chat.logprobs else None
-        reply = replies.completion(completion_id, int(time.time()), chat.model, turn, logprobs)
+        reply = replies.completion(completion_id, now, chat.model, turn, logprobs)
         return JSONResponse(reply)
 
     async def end(request: Request) -> Response:
