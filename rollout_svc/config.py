@@ -45,6 +45,12 @@ class GatewayConfig(StrictModel):
         gt=0,
         description="Largest request body, in bytes; a larger one is refused with HTTP 413.",
     )
+    max_sessions: int = Field(
+        default=4096,
+        gt=0,
+        description="Sessions open at once (started, not ended), each holding its trajectory; "
+        "a request that would open one more is refused with HTTP 429.",
+    )
 
     @field_validator("host")
     @classmethod

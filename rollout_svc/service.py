@@ -71,6 +71,7 @@ class RolloutService:
             loop.parser,
             SessionLimits(config.max_model_len, config.max_response_length, config.max_new_tokens),
             config.gateway.served_model_name or Path(config.model_path or "model").name,
+            config.gateway.max_sessions,
         )
         self._engine = engine
         self._loop = loop

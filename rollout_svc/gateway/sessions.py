@@ -38,7 +38,12 @@ from rollout_svc.gateway.session_state import (
 )
 from rollout_svc.parsers import ParsedTurn
 from turnrl.chat_tokens import ConversationTokens
-from turnrl.errors import FailedPreconditionError, NotFoundError, UnavailableError
+from turnrl.errors import (
+    FailedPreconditionError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from turnrl.messages import openai_tool_call
 from turnrl.trajectory import (
     Segment,
@@ -54,8 +59,8 @@ ENDED_SESSIONS_KEPT = 65_536
 
 
 class ChatSessions:
-    """The gateway's sessions on one engine. Requests batch with the rollout's own, through the
-    same `Engine.generate`."""
+    """The gateway's sessions on one engine. A request is `claim`, `prepare`, `generate`, and
+    `release` however it ends; it batches with the rollout's own, through `Engine.generate`."""
 
     def __init__(
         self,
@@ -65,6 +70,7 @@ class ChatSessions:
         parser: Callable[[str], ParsedTurn],
         limits: SessionLimits,
         model_name: str,
+        max_sessions: int,
     ) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -72,6 +78,7 @@ class ChatSessions:
         self._chat_template = chat_template
         self._parser = parser
         self._limits = limits
+        self._max_sessions = max_sessions
         self._sessions: dict[str, Session] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()
 
@@ -82,22 +89,19 @@ class ChatSessions:
                 f"model {model!r} is not served here; the model is {self.model_name!r}"
             )
 
-    async def complete(self, session_id: str, request: ChatCompletionRequest) -> ModelTurn:
-        """Answers one request: `claim`, `prepare`, `generate`, `release`."""
-        session = self.claim(session_id, request.model)
-        try:
-            return await self.generate(await self.prepare(session, request))
-        finally:
-            self.release(session)
-
     def claim(self, session_id: str, model: str) -> "Session":
         """The session, held for one request until `release` (created by its first request).
         Raises NotFoundError for another model than the served one, InvalidArgumentError for a
         malformed session id, FailedPreconditionError while another request of the session
-        runs or after it ended."""
+        runs or after it ended, ResourceExhaustedError when a new one would pass
+        `max_sessions`."""
         self.check_model(model)
         check_session_id(session_id)
         self._check_not_ended(session_id)
+        if session_id not in self._sessions and len(self._sessions) >= self._max_sessions:
+            raise ResourceExhaustedError(
+                f"{len(self._sessions)} sessions are open, gateway.max_sessions; end one first"
+            )
         session = self._sessions.setdefault(session_id, Session(session_id))
         if session.busy:
             raise FailedPreconditionError(
@@ -107,8 +111,10 @@ class ChatSessions:
         return session
 
     def release(self, session: "Session") -> None:
-        """Lets the session take its next request."""
+        """Lets the session take its next request; forgets it when none has succeeded yet."""
         session.busy = False
+        if session.state.tokens is None:
+            self._sessions.pop(session.session_id, None)
 
     async def prepare(self, session: "Session", request: ChatCompletionRequest) -> "PendingTurn":
         """The request's messages checked against the session (the prefix rule) and

@@ -33,7 +33,7 @@ MAX_TURNS = 5
 
 @contextlib.asynccontextmanager
 async def gateway_server(
-    model_dir, max_request_bytes: int = 16 * 1024 * 1024, **settings
+    model_dir, **gateway_settings
 ) -> AsyncIterator[tuple[RolloutService, str]]:
     """A rollout service (gRPC on a free port) with its gateway on another; yields the service
     and the gateway's base URL."""
@@ -42,8 +42,7 @@ async def gateway_server(
         model_path=str(model_dir),
         tool_service=ClientConfig(address=UNUSED_ADDRESS),
         reward_service=ClientConfig(address=UNUSED_ADDRESS),
-        gateway=GatewayConfig(enabled=True, port=0, max_request_bytes=max_request_bytes),
-        **settings,
+        gateway=GatewayConfig(enabled=True, port=0, **gateway_settings),
     )
     service = await RolloutService.create(config)
     try:
@@ -272,6 +271,42 @@ async def test_bad_requests_get_openai_errors(tiny_model_dir):
             unknown = await http.post(f"{url}/sessions/never-seen/end")
         assert unknown.status_code == 404
         assert unknown.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_tool_choice_stop_and_length_as_openai_defines_them(tiny_model_dir):
+    messages = prompt_messages()
+    async with gateway_server(tiny_model_dir, max_sessions=3) as (service, url):
+        model = service.chat_sessions.model_name
+        request = {"model": model, "messages": messages, "tools": TOOLS, "temperature": 0}
+        # "none": the model's text as it wrote it, its call markup included, no tool_calls.
+        untouched = await client(url, "none").chat.completions.create(**request, tool_choice="none")
+        assert untouched.choices[0].finish_reason == "stop"
+        assert untouched.choices[0].message.tool_calls is None
+        assert "<tool_call>" in untouched.choices[0].message.content
+        # A stop token ends the turn before the model's own end, and is left out of the text.
+        stopped = await client(url, "stop").chat.completions.create(**request, stop=["\n"])
+        assert stopped.choices[0].finish_reason == "stop"
+        assert stopped.choices[0].message.content == "<tool_call>"
+        with pytest.raises(openai.BadRequestError, match="each stop must be one token") as stop:
+            await client(url, "stop-text").chat.completions.create(**request, stop="#### 12")
+        assert stop.value.param == "stop"
+        # A turn cut by max_tokens ends "length", and its session cannot go on after it.
+        chat = client(url, "cut")
+        cut = await chat.chat.completions.create(**request, max_tokens=3)
+        assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == 3
+        follow = [*messages, cut.choices[0].message, {"role": "user", "content": "go on"}]
+        with pytest.raises(openai.ConflictError, match="not on a stop token"):
+            await chat.chat.completions.create(**{**request, "messages": follow})
+        with pytest.raises(openai.BadRequestError, match=r"tools\.0\.function\.name") as schema:
+            bad_tools = [{"type": "function", "function": {"description": "no name"}}]
+            await chat.chat.completions.create(**{**request, "tools": bad_tools})
+        assert schema.value.param == "tools.0.function.name"
+        # Three sessions are open; a fourth waits until one ends.
+        with pytest.raises(openai.RateLimitError, match=r"gateway\.max_sessions"):
+            await client(url, "fourth").chat.completions.create(**request)
+        trajectory = await end_session(url, "cut")
+        assert trajectory["finish_reason"] == "max_new_tokens"
+        await client(url, "fourth").chat.completions.create(**request)
 
 
 async def test_a_session_takes_one_request_at_a_time(tiny_model_dir):
