@@ -164,9 +164,12 @@ async def _stream(
         yield replies.event(replies.error_body(status, str(e), param))
         return
     logprobs = replies.token_logprobs(tokenizer, turn) if chat.logprobs else None
-    for delta, is_content in replies.turn_deltas(turn):
-        yield chunk(delta, logprobs=logprobs if is_content else None)
-    yield chunk({}, finish_reason=turn.finish_reason)
+    # The turn's logprobs ride on its first delta (the finish chunk's, when it has none), so a
+    # client that gathers them gets all of them, as a plain reply gives them.
+    for delta in replies.turn_deltas(turn):
+        yield chunk(delta, logprobs=logprobs)
+        logprobs = None
+    yield chunk({}, finish_reason=turn.finish_reason, logprobs=logprobs)
     if with_usage:
         yield chunk(None, turn_usage=replies.usage(turn))
     yield replies.event("[DONE]")

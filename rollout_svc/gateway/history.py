@@ -71,14 +71,16 @@ def _same_message(recorded: dict[str, Any], sent: dict[str, Any]) -> bool:
     return all(recorded.get(key) == sent.get(key) for key in keys)
 
 
-def _calls(message: dict[str, Any]) -> list[tuple[str, Any]] | None:
-    """The (name, arguments) of each tool call; None when an argument is not JSON."""
+def _calls(message: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The (name, arguments) of each tool call: the arguments parsed, or as text where they are
+    not JSON (a call the prompt held), so they compare as written."""
     calls = []
     for call in message.get("tool_calls") or []:
+        text = call["function"]["arguments"]
         try:
-            arguments = json.loads(call["function"]["arguments"])
+            arguments = ("json", json.loads(text))
         except ValueError:
-            return None
+            arguments = ("text", text)
         calls.append((call["function"]["name"], arguments))
     return calls
 

@@ -117,31 +117,21 @@ def chunk(
     return event(body)
 
 
-def turn_deltas(turn: ModelTurn) -> Iterator[tuple[dict[str, Any], bool]]:
+def turn_deltas(turn: ModelTurn) -> Iterator[dict[str, Any]]:
     """The deltas that follow the role's, as OpenAI streams them: the content, then each tool
-    call's id and name, then its arguments; with whether the delta is the content's."""
+    call's id and name, then its arguments."""
     message = _message(turn)
     if message["content"]:
-        yield {"content": message["content"]}, True
+        yield {"content": message["content"]}
     for index, call in enumerate(message.get("tool_calls", [])):
         function = call["function"]
-        yield (
-            {
-                "tool_calls": [
-                    {
-                        "index": index,
-                        "id": call["id"],
-                        "type": "function",
-                        "function": {"name": function["name"], "arguments": ""},
-                    }
-                ]
-            },
-            False,
-        )
-        yield (
-            {"tool_calls": [{"index": index, "function": {"arguments": function["arguments"]}}]},
-            False,
-        )
+        opening = {"name": function["name"], "arguments": ""}
+        yield {
+            "tool_calls": [
+                {"index": index, "id": call["id"], "type": "function", "function": opening}
+            ]
+        }
+        yield {"tool_calls": [{"index": index, "function": {"arguments": function["arguments"]}}]}
 
 
 def event(body: dict[str, Any] | str) -> str:

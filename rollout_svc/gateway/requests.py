@@ -10,7 +10,7 @@ engine stops on token ids, and a turn that stopped mid-token could not be contin
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from turnrl.errors import InvalidArgumentError
 
@@ -97,6 +97,7 @@ class ChatCompletionRequest(_Model):
     presence_penalty: float | None = None
     parallel_tool_calls: bool | None = None
     user: str | None = None
+    _tools_as_sent: list[dict[str, Any]] | None = PrivateAttr(default=None)
 
     def check_supported(self) -> None:
         """Raises InvalidArgumentError, naming the field, for a value the gateway cannot
@@ -131,10 +132,11 @@ class ChatCompletionRequest(_Model):
         return bool(self.tools) and self.tool_choice != "none"
 
     def tool_schemas(self) -> list[dict[str, Any]] | None:
-        """The tools as the chat template renders them, or None."""
+        """The tools as the chat template renders them, or None: as the request wrote them
+        (their keys in its order), once validated."""
         if not self.tools:
             return None
-        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+        return self._tools_as_sent or [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     def message_dicts(self) -> list[dict[str, Any]]:
         """The messages as chat templates read them: text content, tool calls with their
@@ -157,6 +159,7 @@ def parse_request(body: bytes) -> ChatCompletionRequest:
         message = f"{where}: {first['msg']} (got {first['input']!r:.200})"
         raise RequestFieldError(message, where) from None
     request.check_supported()
+    request._tools_as_sent = value.get("tools")
     return request
 
 

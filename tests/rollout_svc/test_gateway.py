@@ -7,6 +7,7 @@ import itertools
 import json
 import signal
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import httpx
 import openai
@@ -31,12 +32,26 @@ UNUSED_ADDRESS = "127.0.0.1:9"
 MAX_TURNS = 5
 
 
+@dataclass
+class Gateway:
+    """A served gateway: its rollout service, its base URL, and the clients the test opened."""
+
+    service: RolloutService
+    url: str
+    clients: list[openai.AsyncOpenAI] = field(default_factory=list)
+
+    def client(self, session_id: str) -> openai.AsyncOpenAI:
+        """The real `openai` client on a session's base URL, closed with the gateway."""
+        chat = openai.AsyncOpenAI(
+            base_url=f"{self.url}/sessions/{session_id}/v1", api_key="unused", max_retries=0
+        )
+        self.clients.append(chat)
+        return chat
+
+
 @contextlib.asynccontextmanager
-async def gateway_server(
-    model_dir, **gateway_settings
-) -> AsyncIterator[tuple[RolloutService, str]]:
-    """A rollout service (gRPC on a free port) with its gateway on another; yields the service
-    and the gateway's base URL."""
+async def gateway_server(model_dir, **gateway_settings) -> AsyncIterator[Gateway]:
+    """A rollout service (gRPC on a free port) with its gateway on another."""
     config = RolloutConfig(
         server=ServerConfig(port=0),
         model_path=str(model_dir),
@@ -56,15 +71,14 @@ async def gateway_server(
             ),
             serve_gateway(config.gateway, service.chat_sessions) as url,
         ):
-            yield service, url
+            gateway = Gateway(service, url)
+            try:
+                yield gateway
+            finally:
+                for chat in gateway.clients:
+                    await chat.close()
     finally:
         await service.close()
-
-
-def client(url: str, session_id: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(
-        base_url=f"{url}/sessions/{session_id}/v1", api_key="unused", max_retries=0
-    )
 
 
 async def end_session(url: str, session_id: str) -> dict:
@@ -83,8 +97,9 @@ def prompt_messages() -> list[dict]:
 
 
 async def test_a_plain_completion(tiny_model_dir):
-    async with gateway_server(tiny_model_dir) as (service, url):
-        chat = client(url, "plain")
+    async with gateway_server(tiny_model_dir) as gateway:
+        service, url = gateway.service, gateway.url
+        chat = gateway.client("plain")
         model = service.chat_sessions.model_name
         assert [m.id for m in (await chat.models.list()).data] == [model]
         reply = await chat.chat.completions.create(
@@ -118,8 +133,9 @@ async def test_a_calculator_session_is_token_exact(tiny_model_dir):
     a teacher-forced pass of the model reproduces."""
     messages: list = prompt_messages()
     replies = []
-    async with gateway_server(tiny_model_dir) as (service, url):
-        chat = client(url, "calc")
+    async with gateway_server(tiny_model_dir) as gateway:
+        service, url = gateway.service, gateway.url
+        chat = gateway.client("calc")
         model = service.chat_sessions.model_name
         for _ in range(MAX_TURNS):
             reply = await chat.chat.completions.create(
@@ -169,9 +185,10 @@ async def test_a_calculator_session_is_token_exact(tiny_model_dir):
     assert trajectory["finish_reason"] == "stop"
 
 
-async def collect_stream(chat: openai.AsyncOpenAI, **request) -> tuple[str, list, str, object]:
-    """The content, tool calls (id, name, arguments), finish reason and usage of a stream."""
-    content, calls, finish, usage = "", {}, None, None
+async def collect_stream(chat: openai.AsyncOpenAI, **request) -> dict:
+    """What a stream gave: content, tool calls (id, name, arguments), finish reason, usage,
+    logprobs."""
+    got = {"content": "", "calls": {}, "finish": None, "usage": None, "logprobs": []}
     stream = await chat.chat.completions.create(
         **request, stream=True, stream_options={"include_usage": True}
     )
@@ -179,54 +196,62 @@ async def collect_stream(chat: openai.AsyncOpenAI, **request) -> tuple[str, list
     assert chunks[0].choices[0].delta.role == "assistant"
     for chunk in chunks:
         assert chunk.object == "chat.completion.chunk" and chunk.id == chunks[0].id
-        usage = chunk.usage or usage
+        got["usage"] = chunk.usage or got["usage"]
         for choice in chunk.choices:
-            content += choice.delta.content or ""
-            finish = choice.finish_reason or finish
+            got["content"] += choice.delta.content or ""
+            got["finish"] = choice.finish_reason or got["finish"]
+            got["logprobs"] += choice.logprobs.content if choice.logprobs else []
             for delta in choice.delta.tool_calls or []:
-                entry = calls.setdefault(delta.index, ["", "", ""])
+                entry = got["calls"].setdefault(delta.index, ["", "", ""])
                 entry[0] += delta.id or ""
                 entry[1] += delta.function.name or ""
                 entry[2] += delta.function.arguments or ""
     assert not chunks[-1].choices and chunks[-1].usage is not None  # the usage chunk comes last
-    return content, [tuple(calls[i]) for i in sorted(calls)], finish, usage
+    got["calls"] = [tuple(got["calls"][i]) for i in sorted(got["calls"])]
+    return got
 
 
 async def test_streaming_gives_what_a_plain_request_gives(tiny_model_dir):
     messages = prompt_messages()
-    async with gateway_server(tiny_model_dir) as (service, url):
+    async with gateway_server(tiny_model_dir) as gateway:
+        service = gateway.service
         request = {
             "model": service.chat_sessions.model_name,
             "messages": messages,
             "tools": TOOLS,
             "temperature": 0,
+            "logprobs": True,
         }
-        plain = await client(url, "plain").chat.completions.create(**request)
-        content, calls, finish, usage = await collect_stream(client(url, "streamed"), **request)
+        plain = await gateway.client("plain").chat.completions.create(**request)
+        streamed = await collect_stream(gateway.client("streamed"), **request)
         # A session recorded by a stream goes on like any other.
-        message = {"role": "assistant", "content": content or None, "tool_calls": [
+        calls = streamed["calls"]
+        message = {"role": "assistant", "content": streamed["content"] or None, "tool_calls": [
             {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
             for i, n, a in calls
         ]}  # fmt: skip
         result = {"role": "tool", "tool_call_id": calls[0][0], "content": "7"}
-        followed = await client(url, "streamed").chat.completions.create(
+        followed = await gateway.client("streamed").chat.completions.create(
             **{**request, "messages": [*messages, message, result]}
         )
     choice = plain.choices[0]
-    assert finish == choice.finish_reason == "tool_calls"
-    assert content == (choice.message.content or "")
+    assert streamed["finish"] == choice.finish_reason == "tool_calls"
+    assert streamed["content"] == (choice.message.content or "")
     assert calls == [
         (c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls
     ]
-    assert usage.model_dump() == plain.usage.model_dump()
+    assert streamed["usage"].model_dump() == plain.usage.model_dump()
+    assert streamed["logprobs"] == choice.logprobs.content
+    assert len(choice.logprobs.content) == plain.usage.completion_tokens - 1  # its stop left out
     assert followed.choices[0].message.content or followed.choices[0].message.tool_calls
 
 
 async def test_bad_requests_get_openai_errors(tiny_model_dir):
     messages = prompt_messages()
-    async with gateway_server(tiny_model_dir, max_request_bytes=8192) as (service, url):
+    async with gateway_server(tiny_model_dir, max_request_bytes=8192) as gateway:
+        service, url = gateway.service, gateway.url
         model = service.chat_sessions.model_name
-        chat = client(url, "bad")
+        chat = gateway.client("bad")
         with pytest.raises(openai.NotFoundError) as unknown_route:
             await chat.post("/nowhere", cast_to=object, body={})
         assert unknown_route.value.body["type"] == "invalid_request_error"
@@ -275,23 +300,26 @@ async def test_bad_requests_get_openai_errors(tiny_model_dir):
 
 async def test_tool_choice_stop_and_length_as_openai_defines_them(tiny_model_dir):
     messages = prompt_messages()
-    async with gateway_server(tiny_model_dir, max_sessions=3) as (service, url):
+    async with gateway_server(tiny_model_dir, max_sessions=3) as gateway:
+        service, url = gateway.service, gateway.url
         model = service.chat_sessions.model_name
         request = {"model": model, "messages": messages, "tools": TOOLS, "temperature": 0}
         # "none": the model's text as it wrote it, its call markup included, no tool_calls.
-        untouched = await client(url, "none").chat.completions.create(**request, tool_choice="none")
+        untouched = await gateway.client("none").chat.completions.create(
+            **request, tool_choice="none"
+        )
         assert untouched.choices[0].finish_reason == "stop"
         assert untouched.choices[0].message.tool_calls is None
         assert "<tool_call>" in untouched.choices[0].message.content
         # A stop token ends the turn before the model's own end, and is left out of the text.
-        stopped = await client(url, "stop").chat.completions.create(**request, stop=["\n"])
+        stopped = await gateway.client("stop").chat.completions.create(**request, stop=["\n"])
         assert stopped.choices[0].finish_reason == "stop"
         assert stopped.choices[0].message.content == "<tool_call>"
         with pytest.raises(openai.BadRequestError, match="each stop must be one token") as stop:
-            await client(url, "stop-text").chat.completions.create(**request, stop="#### 12")
+            await gateway.client("stop-text").chat.completions.create(**request, stop="#### 12")
         assert stop.value.param == "stop"
         # A turn cut by max_tokens ends "length", and its session cannot go on after it.
-        chat = client(url, "cut")
+        chat = gateway.client("cut")
         cut = await chat.chat.completions.create(**request, max_tokens=3)
         assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == 3
         follow = [*messages, cut.choices[0].message, {"role": "user", "content": "go on"}]
@@ -303,18 +331,19 @@ async def test_tool_choice_stop_and_length_as_openai_defines_them(tiny_model_dir
         assert schema.value.param == "tools.0.function.name"
         # Three sessions are open; a fourth waits until one ends.
         with pytest.raises(openai.RateLimitError, match=r"gateway\.max_sessions"):
-            await client(url, "fourth").chat.completions.create(**request)
+            await gateway.client("fourth").chat.completions.create(**request)
         trajectory = await end_session(url, "cut")
         assert trajectory["finish_reason"] == "max_new_tokens"
-        await client(url, "fourth").chat.completions.create(**request)
+        await gateway.client("fourth").chat.completions.create(**request)
 
 
 async def test_a_session_takes_one_request_at_a_time(tiny_model_dir):
     """A second request while the first waits in the (paused) engine is refused with 409."""
     messages = prompt_messages()
-    async with gateway_server(tiny_model_dir) as (service, url):
+    async with gateway_server(tiny_model_dir) as gateway:
+        service = gateway.service
         model = service.chat_sessions.model_name
-        chat = client(url, "busy")
+        chat = gateway.client("busy")
         await service.pause()
         stream = await chat.chat.completions.create(model=model, messages=messages, stream=True)
         events = aiter(stream)
@@ -332,8 +361,9 @@ async def test_a_repeated_request_replaces_the_answer_it_repeats(tiny_model_dir)
     """An agent that never received an answer (a timeout) sends the same request again: the
     session keeps only the answer it did receive."""
     messages = prompt_messages()
-    async with gateway_server(tiny_model_dir) as (service, url):
-        chat = client(url, "retry")
+    async with gateway_server(tiny_model_dir) as gateway:
+        service, url = gateway.service, gateway.url
+        chat = gateway.client("retry")
         request = {"model": service.chat_sessions.model_name, "messages": messages}
         await chat.chat.completions.create(**request, temperature=1.0, seed=1)
         kept = await chat.chat.completions.create(**request, temperature=1.0, seed=2)
@@ -346,9 +376,10 @@ async def test_a_repeated_request_replaces_the_answer_it_repeats(tiny_model_dir)
 async def test_a_stream_the_client_leaves_frees_the_session(tiny_model_dir):
     """A client that goes away mid-stream cancels its request; the session takes the next."""
     messages = prompt_messages()
-    async with gateway_server(tiny_model_dir) as (service, url):
+    async with gateway_server(tiny_model_dir) as gateway:
+        service, url = gateway.service, gateway.url
         model = service.chat_sessions.model_name
-        chat = client(url, "left")
+        chat = gateway.client("left")
         await service.pause()
         stream = await chat.chat.completions.create(model=model, messages=messages, stream=True)
         await anext(aiter(stream))
@@ -356,7 +387,7 @@ async def test_a_stream_the_client_leaves_frees_the_session(tiny_model_dir):
         await service.resume()
         async with asyncio.timeout(30):
             reply = (
-                await client(url, "left")
+                await gateway.client("left")
                 .with_options(max_retries=5)
                 .chat.completions.create(model=model, messages=messages, temperature=0)
             )
@@ -381,7 +412,8 @@ async def test_turnrl_serve_starts_the_gateway_beside_grpc(tiny_model_dir):
         assert gateway.startswith("gateway of RolloutService on http://127.0.0.1:"), gateway
         assert serving.startswith("serving RolloutService on 127.0.0.1:"), serving
         url = gateway.split()[-1]
-        listed = await openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused").models.list()
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused") as chat:
+            listed = await chat.models.list()
         assert [m.id for m in listed.data] == [tiny_model_dir.name]
         process.send_signal(signal.SIGTERM)
         async with asyncio.timeout(30):
