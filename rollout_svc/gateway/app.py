@@ -13,7 +13,8 @@ route, model or session, 409 for a second request on a busy session or one that 
 last turn cannot be continued), 413 for a body over `gateway.max_request_bytes`, 503 when the
 engine could not answer. A stream sends its role chunk once the request is checked and the
 rest when the turn is sampled (the engine returns whole turns); an error after the first chunk
-comes as an `error` event. A client that disconnects cancels its engine request.
+comes as an `error` event. A client that leaves a stream cancels its engine request; one that
+leaves a plain request has its turn recorded, and its retry replaces that turn (sessions.py).
 """
 
 import asyncio
@@ -125,7 +126,14 @@ async def serve_gateway(config: GatewayConfig, sessions: ChatSessions) -> AsyncI
     sock.bind((config.host.strip("[]"), config.port))
     sock.listen()
     server = uvicorn.Server(
-        uvicorn.Config(app, lifespan="off", log_config=None, log_level="warning")
+        uvicorn.Config(
+            app,
+            lifespan="off",
+            log_config=None,
+            log_level="warning",
+            # Requests still running then are cancelled (their engine requests aborted).
+            timeout_graceful_shutdown=STOP_TIMEOUT_SECONDS / 2,
+        )
     )
     task = asyncio.create_task(server.serve(sockets=[sock]))
     host = f"[{config.host}]" if ":" in config.host else config.host
