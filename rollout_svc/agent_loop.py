@@ -38,7 +38,15 @@ from turnrl.errors import RpcError
 from turnrl.failures import MODEL_TOOL_ERROR_KINDS, tool_rpc_error_is_models
 from turnrl.messages import dict_to_message
 from turnrl.replicas import ReplicaSet
-from turnrl.trajectory import FinishReason, Segment, SegmentSource, Trajectory, TurnMetrics
+from turnrl.trajectory import (
+    FinishReason,
+    Segment,
+    SegmentSource,
+    Trajectory,
+    TurnMetrics,
+    appended_segments,
+    model_segments,
+)
 from turnrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, tool_pb2
 
 log = logging.getLogger(__name__)
@@ -270,7 +278,9 @@ class _Run:
             aborted = output.finish_reason is EngineFinish.ABORT
             self.finish(FinishReason.ABORTED if aborted else self._length_reason())
             return ParsedTurn(content="", tool_calls=[], errors=[])
-        self._append_model_segments(output.output_ids, output.logprobs, output.policy_versions)
+        self.trajectory.segments += model_segments(
+            output.output_ids, output.logprobs, output.policy_versions
+        )
         text = self.tokens.model_turn_text(output.output_ids)
         # A turn cut short still joins the conversation, as it was written: its text is what
         # gets scored.
@@ -380,29 +390,8 @@ class _Run:
             self.finish(FinishReason.MAX_RESPONSE_LENGTH)
             return False
         trajectory.messages.extend(messages)
-        generation_prompt = self.tokens.generation_prompt_ids
-        if generation_prompt and new_ids[-len(generation_prompt) :] == generation_prompt:
-            body, opener = new_ids[: -len(generation_prompt)], generation_prompt
-        else:
-            body, opener = new_ids, []
-        trajectory.segments.append(Segment(source, body))
-        if opener:
-            trajectory.segments.append(Segment(SegmentSource.TEMPLATE, list(opener)))
+        trajectory.segments += appended_segments(source, new_ids, self.tokens.generation_prompt_ids)
         return True
-
-    def _append_model_segments(
-        self, ids: list[int], logprobs: list[float], versions: list[int]
-    ) -> None:
-        """One segment per run of tokens sampled by the same policy version."""
-        start = 0
-        for end in range(1, len(ids) + 1):
-            if end == len(ids) or versions[end] != versions[start]:
-                self.trajectory.segments.append(
-                    Segment(
-                        SegmentSource.MODEL, ids[start:end], logprobs[start:end], versions[start]
-                    )
-                )
-                start = end
 
     def finish(self, reason: FinishReason, error_message: str = "") -> None:
         if self.trajectory.finish_reason is None:

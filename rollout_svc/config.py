@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from turnrl.config import DEFAULT_PORTS, ClientConfig, ServerConfig, StrictModel
+from turnrl.config import DEFAULT_PORTS, ClientConfig, ServerConfig, StrictModel, is_loopback
 
 
 class InteractionEntry(StrictModel):
@@ -20,6 +20,47 @@ class InteractionEntry(StrictModel):
     config: dict[str, Any] = Field(
         default_factory=dict, description="Options of the interaction, validated by it."
     )
+
+
+class GatewayConfig(StrictModel):
+    """The OpenAI-compatible gateway (rollout_svc.gateway): an HTTP port of the rollout
+    service's own on which agents written elsewhere call the service's engine."""
+
+    enabled: bool = Field(default=False, description="Serve the gateway beside the gRPC service.")
+    host: str = Field(
+        default="127.0.0.1",
+        description="Interface to bind; loopback only until the gateway takes the gRPC "
+        "server's TLS and bearer-token settings.",
+    )
+    port: int = Field(
+        default=0, ge=0, le=65535, description="TCP port; 0 picks a free one (printed at start)."
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        description="The model name requests must give and /v1/models lists; None: the last "
+        "part of rollout.model_path.",
+    )
+    max_request_bytes: int = Field(
+        default=16 * 1024 * 1024,
+        gt=0,
+        description="Largest request body, in bytes; a larger one is refused with HTTP 413.",
+    )
+    max_sessions: int = Field(
+        default=4096,
+        gt=0,
+        description="Sessions open at once (started, not ended), each holding its trajectory; "
+        "a request that would open one more is refused with HTTP 429.",
+    )
+
+    @field_validator("host")
+    @classmethod
+    def _loopback_only(cls, host: str) -> str:
+        if not is_loopback(host):
+            raise ValueError(
+                f"gateway.host {host!r} is reachable from other machines, and the gateway has "
+                "neither TLS nor a bearer token yet; bind 127.0.0.1"
+            )
+        return host
 
 
 class RolloutConfig(StrictModel):
@@ -104,6 +145,10 @@ class RolloutConfig(StrictModel):
     )
     interactions: list[InteractionEntry] = Field(
         default_factory=list, description="Simulated users, by name."
+    )
+    gateway: GatewayConfig = Field(
+        default_factory=GatewayConfig,
+        description="The OpenAI-compatible gateway for agents written elsewhere; off by default.",
     )
 
     @field_validator("engine_options")

@@ -3,6 +3,8 @@
 Errors are raised as `turnrl.errors` exceptions and mapped to status codes by `turnrl.rpc`.
 """
 
+import contextlib
+import logging
 from collections.abc import AsyncIterator, Sequence
 
 from google.protobuf import duration_pb2
@@ -10,12 +12,15 @@ from google.protobuf import duration_pb2
 from rollout_svc.agent_loop import PromptSpec
 from rollout_svc.config import RolloutConfig
 from rollout_svc.engines.base import SamplingParams
+from rollout_svc.gateway.app import serve_gateway
 from rollout_svc.service import RolloutService
 from turnrl import rpc, service_main
 from turnrl.errors import InvalidArgumentError
 from turnrl.messages import message_to_dict
 from turnrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from turnrl.weights import LAYOUTS, TensorMeta
+
+log = logging.getLogger(__name__)
 
 BACKEND_NAMES = {
     rollout_pb2.InitWeightSyncRequest.BACKEND_GLOO: "gloo",
@@ -138,17 +143,26 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
 
 async def serve(config: RolloutConfig) -> None:
-    """Starts the engine, then serves the rollout service until SIGTERM or SIGINT."""
+    """Starts the engine, then serves the rollout service until SIGTERM or SIGINT, and its
+    OpenAI-compatible gateway beside it when `rollout.gateway.enabled` (printing
+    `gateway of RolloutService on http://HOST:PORT` once it listens, before the gRPC line)."""
     service = await RolloutService.create(config)
     try:
-        await rpc.serve(
-            config.server,
-            rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"],
-            lambda server: rollout_pb2_grpc.add_RolloutServiceServicer_to_server(
-                RolloutServicer(service), server
-            ),
-            watch=service.watch_engine,
-        )
+        async with contextlib.AsyncExitStack() as gateway:
+            if config.gateway.enabled:
+                url = await gateway.enter_async_context(
+                    serve_gateway(config.gateway, service.chat_sessions)
+                )
+                log.info("OpenAI gateway on %s", url)
+                print(f"gateway of RolloutService on {url}", flush=True)
+            await rpc.serve(
+                config.server,
+                rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"],
+                lambda server: rollout_pb2_grpc.add_RolloutServiceServicer_to_server(
+                    RolloutServicer(service), server
+                ),
+                watch=service.watch_engine,
+            )
     finally:
         await service.close()
 

@@ -29,6 +29,8 @@ from rollout_svc.engines.base import (
     ServerHeldWeights,
     broken_push_error,
 )
+from rollout_svc.gateway.session_state import SessionLimits
+from rollout_svc.gateway.sessions import ChatSessions
 from rollout_svc.interactions import INTERACTIONS
 from rollout_svc.interactions.base import Interaction
 from rollout_svc.parsers import PARSERS
@@ -60,6 +62,17 @@ class RolloutService:
         tool_schemas: ToolSchemas,
     ) -> None:
         self._config = config
+        # The OpenAI-compatible gateway's sessions, on the same engine (served by
+        # rollout_svc.gateway.app when rollout.gateway.enabled).
+        self.chat_sessions = ChatSessions(
+            engine,
+            loop.tokenizer,
+            loop.chat_template,
+            loop.parser,
+            SessionLimits(config.max_model_len, config.max_response_length, config.max_new_tokens),
+            config.gateway.served_model_name or Path(config.model_path or "model").name,
+            config.gateway.max_sessions,
+        )
         self._engine = engine
         self._loop = loop
         self._tool_schemas = tool_schemas

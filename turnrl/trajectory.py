@@ -67,6 +67,34 @@ class Segment:
         self.logprobs = array.array("f", self.logprobs).tolist()
 
 
+def model_segments(ids: list[int], logprobs: list[float], versions: list[int]) -> list[Segment]:
+    """A model turn's segments: one per run of tokens sampled by the same policy version (a
+    generation a weight push paused spans two), from the engine's ids, logprobs and versions."""
+    segments = []
+    start = 0
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or versions[end] != versions[start]:
+            segments.append(
+                Segment(SegmentSource.MODEL, ids[start:end], logprobs[start:end], versions[start])
+            )
+            start = end
+    return segments
+
+
+def appended_segments(
+    source: SegmentSource, new_ids: list[int], generation_prompt_ids: list[int]
+) -> list[Segment]:
+    """The segments of ids appended after a model turn (`ConversationTokens.append_messages`):
+    the messages as `source`, and the generation prompt that ends them as TEMPLATE."""
+    opener = generation_prompt_ids
+    if not opener or new_ids[-len(opener) :] != opener:
+        return [Segment(source, list(new_ids))]
+    return [
+        Segment(source, new_ids[: -len(opener)]),
+        Segment(SegmentSource.TEMPLATE, list(opener)),
+    ]
+
+
 @dataclass
 class TurnMetrics:
     """Metrics of one model turn and the tool calls that followed it."""

@@ -1,0 +1,5 @@
+"""The OpenAI-compatible gateway: agents written elsewhere (the `openai` SDK, LangGraph, any HTTP
+loop) call the rollout service's engine at `/sessions/<id>/v1/chat/completions`, and each
+session is recorded as a token-exact `Trajectory`. `app.py` serves HTTP, `sessions.py` holds the
+sessions, `history.py` states the prefix rule a session's requests follow, `requests.py` and
+`replies.py` are OpenAI's wire format."""

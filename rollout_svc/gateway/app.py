@@ -1,0 +1,237 @@
+"""The gateway's HTTP skin: a Starlette app over `ChatSessions`, served by uvicorn in the rollout
+service's own event loop (`serve_gateway`), on a port of its own.
+
+Routes (the `openai` client takes `base_url=http://HOST:PORT/sessions/<id>/v1` as it is):
+
+- `GET /v1/models` and `GET /sessions/{id}/v1/models`: the served model;
+- `POST /sessions/{id}/v1/chat/completions`: one model turn of session `id` (created by its
+  first request), streamed as server-sent events with `stream: true`;
+- `POST /sessions/{id}/end`: ends the session and returns its trajectory as JSON.
+
+Errors have OpenAI's shape and status: 400 for a bad request or history, 404 for an unknown
+route, model or session, 409 for a second request on a busy session or one that ended (or whose
+last turn cannot be continued), 413 for a body over `gateway.max_request_bytes`, 503 when the
+engine could not answer. A stream sends its role chunk once the request is checked and the
+rest when the turn is sampled (the engine returns whole turns); an error after the first chunk
+comes as an `error` event. A client that leaves a stream cancels its engine request; one that
+leaves a plain request has its turn recorded, and its retry replaces that turn (sessions.py).
+"""
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from rollout_svc.config import GatewayConfig
+from rollout_svc.gateway import replies
+from rollout_svc.gateway.requests import ChatCompletionRequest, parse_request
+from rollout_svc.gateway.session_state import ModelTurn, PendingTurn
+from rollout_svc.gateway.sessions import ChatSessions
+from turnrl.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+
+log = logging.getLogger(__name__)
+
+STATUS_BY_ERROR: list[tuple[type[Exception], int]] = [
+    (InvalidArgumentError, 400),
+    (NotFoundError, 404),
+    (FailedPreconditionError, 409),
+    (ResourceExhaustedError, 429),
+    (UnavailableError, 503),
+    (DeadlineExceededError, 503),
+]
+STOP_TIMEOUT_SECONDS = 10.0
+
+
+class RequestTooLargeError(Exception):
+    """A request body over the gateway's limit (HTTP 413)."""
+
+
+def build_app(sessions: ChatSessions, max_request_bytes: int) -> Starlette:
+    """The gateway's ASGI app over `sessions`."""
+    created = int(time.time())
+    tokenizer = sessions.tokenizer
+
+    async def models(request: Request) -> Response:
+        return JSONResponse(replies.model_list(sessions.model_name, created))
+
+    async def chat_completions(request: Request) -> Response:
+        body = await _body(request, max_request_bytes)
+        chat = await asyncio.to_thread(parse_request, body)
+        session = sessions.claim(request.path_params["session_id"], chat.model)
+        try:
+            pending = await sessions.prepare(session, chat)
+        except BaseException:
+            sessions.release(session)
+            raise
+        completion_id, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if chat.stream:
+            events = _stream(sessions, tokenizer, pending, chat, completion_id, now)
+            return _EventStream(events, on_close=lambda: sessions.release(session))
+        try:
+            turn = await sessions.generate(pending)
+        finally:
+            sessions.release(session)
+        logprobs = replies.token_logprobs(tokenizer, turn) if chat.logprobs else None
+        reply = replies.completion(completion_id, now, chat.model, turn, logprobs)
+        return JSONResponse(reply)
+
+    async def end(request: Request) -> Response:
+        trajectory = await sessions.end(request.path_params["session_id"])
+        return JSONResponse(replies.trajectory_json(trajectory))
+
+    routes = [
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/sessions/{session_id}/v1/models", models, methods=["GET"]),
+        Route("/sessions/{session_id}/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/sessions/{session_id}/end", end, methods=["POST"]),
+    ]
+    # Each domain error its own handler: one for Exception alone would re-raise after answering.
+    handlers = {error_type: _error for error_type, _ in STATUS_BY_ERROR}
+    return Starlette(
+        routes=routes,
+        exception_handlers={
+            HTTPException: _http_error,
+            RequestTooLargeError: _error,
+            **handlers,
+            Exception: _error,
+        },
+    )
+
+
+@contextlib.asynccontextmanager
+async def serve_gateway(config: GatewayConfig, sessions: ChatSessions) -> AsyncIterator[str]:
+    """Serves the gateway in this event loop on `config.host:config.port` (0: a free port);
+    yields its base URL, `http://HOST:PORT`, and stops it on exit. Raises OSError when the
+    address cannot be bound."""
+    app = build_app(sessions, config.max_request_bytes)
+    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((config.host.strip("[]"), config.port))
+    sock.listen()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            lifespan="off",
+            log_config=None,
+            log_level="warning",
+            # Requests still running then are cancelled (their engine requests aborted).
+            timeout_graceful_shutdown=STOP_TIMEOUT_SECONDS / 2,
+        )
+    )
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    try:
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        try:
+            async with asyncio.timeout(STOP_TIMEOUT_SECONDS):
+                await task
+        finally:
+            sock.close()
+
+
+async def _stream(
+    sessions: ChatSessions,
+    tokenizer,
+    pending: PendingTurn,
+    chat: ChatCompletionRequest,
+    completion_id: str,
+    created: int,
+) -> AsyncIterator[str]:
+    """The events of a streamed turn: role, content, tool calls, finish, usage, `[DONE]`."""
+    with_usage = bool(chat.stream_options and chat.stream_options.include_usage)
+
+    def chunk(delta, **fields) -> str:
+        return replies.chunk(
+            completion_id, created, chat.model, delta, with_usage=with_usage, **fields
+        )
+
+    yield chunk({"role": "assistant", "content": "", "refusal": None})
+    try:
+        turn: ModelTurn = await sessions.generate(pending)
+    except Exception as e:
+        status, param = _status(e)
+        yield replies.event(replies.error_body(status, str(e), param))
+        return
+    logprobs = replies.token_logprobs(tokenizer, turn) if chat.logprobs else None
+    # The turn's logprobs ride on its first delta (the finish chunk's, when it has none), so a
+    # client that gathers them gets all of them, as a plain reply gives them.
+    for delta in replies.turn_deltas(turn):
+        yield chunk(delta, logprobs=logprobs)
+        logprobs = None
+    yield chunk({}, finish_reason=turn.finish_reason, logprobs=logprobs)
+    if with_usage:
+        yield chunk(None, turn_usage=replies.usage(turn))
+    yield replies.event("[DONE]")
+
+
+class _EventStream(StreamingResponse):
+    """A server-sent-event stream that calls `on_close` however it ends: finished, failed, or
+    cancelled by a client that went away (also before its first event)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._on_close = on_close
+
+    async def stream_response(self, send: Callable[..., Awaitable[None]]) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            self._on_close()
+
+
+async def _body(request: Request, max_bytes: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise RequestTooLargeError(f"the request body is {declared} bytes; at most {max_bytes}")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > max_bytes:
+            raise RequestTooLargeError(f"the request body is over {max_bytes} bytes")
+    return bytes(body)
+
+
+def _status(error: Exception) -> tuple[int, str | None]:
+    """The HTTP status of an error raised by a handler, and the request field it names."""
+    if isinstance(error, RequestTooLargeError):
+        return 413, None
+    for error_type, status in STATUS_BY_ERROR:
+        if isinstance(error, error_type):
+            return status, getattr(error, "param", None)
+    return 500, None
+
+
+async def _error(request: Request, error: Exception) -> Response:
+    status, param = _status(error)
+    message = str(error)
+    if status == 500:
+        log.error("gateway: %s %s failed", request.method, request.url.path, exc_info=error)
+        message = "internal error; the rollout service's log has the traceback"
+    return JSONResponse(replies.error_body(status, message, param), status_code=status)
+
+
+async def _http_error(request: Request, error: Exception) -> Response:
+    assert isinstance(error, HTTPException)
+    message = f"{request.method} {request.url.path}: {error.detail}"
+    return JSONResponse(
+        replies.error_body(error.status_code, message), status_code=error.status_code
+    )

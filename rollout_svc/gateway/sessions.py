@@ -1,0 +1,294 @@
+"""Chat sessions: each one a `Trajectory` that an agent's chat-completions requests build turn
+by turn on the rollout service's engine. A plain async class; `app.py` is its HTTP skin.
+
+A request is checked against what its session recorded by the prefix rule (`history.py`): the
+whole history sent back as it was generated, then new tool or user messages, appended with the
+delta rule. A request that repeats the previous request's messages exactly is a retry (the
+agent never received the answer) and replaces that answer: the session rolls back to before it
+and samples again.
+
+Model turns go into the trajectory with their logprobs and policy versions (in the loss);
+prompts, tool results, user turns and the template's generation prompts are masked. Nothing is
+recorded until the engine has answered, so a request that fails leaves the session as it was.
+One request runs per session at a time (a second is refused with FailedPreconditionError), and
+a session that ended is refused the same way.
+"""
+
+import asyncio
+import copy
+import dataclasses
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from rollout_svc.engines.base import Engine, SamplingParams
+from rollout_svc.engines.base import FinishReason as EngineFinish
+from rollout_svc.gateway import history
+from rollout_svc.gateway.requests import ChatCompletionRequest, RequestFieldError
+from rollout_svc.gateway.session_state import (
+    ModelTurn,
+    PendingTurn,
+    Session,
+    SessionLimits,
+    SessionState,
+    check_session_id,
+    engine_session,
+    session_trajectory,
+)
+from rollout_svc.parsers import ParsedTurn
+from turnrl.chat_tokens import ConversationTokens
+from turnrl.errors import (
+    FailedPreconditionError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from turnrl.messages import openai_tool_call
+from turnrl.trajectory import (
+    Segment,
+    SegmentSource,
+    Trajectory,
+    TurnMetrics,
+    appended_segments,
+    model_segments,
+)
+
+# Ended sessions remembered, so that reusing one is refused, not a fresh session.
+ENDED_SESSIONS_KEPT = 65_536
+
+
+class ChatSessions:
+    """The gateway's sessions on one engine. A request is `claim`, `prepare`, `generate`, and
+    `release` however it ends; it batches with the rollout's own, through `Engine.generate`."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        chat_template: str | None,
+        parser: Callable[[str], ParsedTurn],
+        limits: SessionLimits,
+        model_name: str,
+        max_sessions: int,
+    ) -> None:
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self._engine = engine
+        self._chat_template = chat_template
+        self._parser = parser
+        self._limits = limits
+        self._max_sessions = max_sessions
+        self._sessions: dict[str, Session] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()
+
+    def check_model(self, model: str) -> None:
+        """Raises NotFoundError unless `model` is the served model's name."""
+        if model != self.model_name:
+            raise NotFoundError(
+                f"model {model!r} is not served here; the model is {self.model_name!r}"
+            )
+
+    def claim(self, session_id: str, model: str) -> "Session":
+        """The session, held for one request until `release` (created by its first request).
+        Raises NotFoundError for another model than the served one, InvalidArgumentError for a
+        malformed session id, FailedPreconditionError while another request of the session
+        runs or after it ended, ResourceExhaustedError when a new one would pass
+        `max_sessions`."""
+        self.check_model(model)
+        check_session_id(session_id)
+        self._check_not_ended(session_id)
+        if session_id not in self._sessions and len(self._sessions) >= self._max_sessions:
+            raise ResourceExhaustedError(
+                f"{len(self._sessions)} sessions are open, gateway.max_sessions; end one first"
+            )
+        session = self._sessions.setdefault(session_id, Session(session_id))
+        if session.busy:
+            raise FailedPreconditionError(
+                f"session {session_id!r} has a request running; a session takes one at a time"
+            )
+        session.busy = True
+        return session
+
+    def release(self, session: "Session") -> None:
+        """Lets the session take its next request; forgets it when none has succeeded yet."""
+        session.busy = False
+        if session.state.tokens is None:
+            self._sessions.pop(session.session_id, None)
+
+    async def prepare(self, session: "Session", request: ChatCompletionRequest) -> "PendingTurn":
+        """The request's messages checked against the session (the prefix rule) and
+        tokenized, with the turn's sampling. Raises InvalidArgumentError for a bad request or
+        history, FailedPreconditionError when the session's last turn cannot be continued (cut
+        by max_tokens). Changes nothing in the session."""
+        messages = request.message_dicts()
+        stop_ids = self._stop_token_ids(request)
+        base = session.state
+        if session.last_request is not None and messages == session.last_request:
+            base = session.before_last  # a retry: the answer it never received is replaced
+        assert base is not None
+        if base.tokens is None:
+            state = await self._first_turn(request, messages, stop_ids)
+        else:
+            state = await self._next_turn(base, request, messages, stop_ids)
+        input_ids = [t for segment in state.segments for t in segment.token_ids]
+        sampling = SamplingParams(
+            max_new_tokens=self._limits.budget(
+                request.max_completion_tokens or request.max_tokens,
+                len(input_ids),
+                len(state.segments[0].token_ids),
+            ),
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            stop_token_ids=stop_ids,
+            seed=request.seed,
+        )
+        return PendingTurn(session, request, messages, base, state, input_ids, sampling)
+
+    async def generate(self, pending: "PendingTurn") -> ModelTurn:
+        """Samples the turn on the engine and records it in the session. Raises
+        UnavailableError, recording nothing, when the engine could not answer (its weights
+        mid-push, the request aborted)."""
+        session, state = pending.session, pending.state
+        turn = len(state.turns)
+        started = time.monotonic()
+        try:
+            output = await self._engine.generate(
+                pending.input_ids,
+                pending.sampling,
+                request_id=f"gateway/{session.session_id}/{turn}/{time.monotonic_ns()}",
+                session_id=engine_session(session.session_id),
+            )
+        except FailedPreconditionError as e:  # the engine's weights are mid-push
+            raise UnavailableError(str(e)) from e
+        if output.finish_reason is EngineFinish.ABORT or not output.output_ids:
+            raise UnavailableError(
+                f"the engine ended the turn with {output.finish_reason.value!r} after "
+                f"{len(output.output_ids)} tokens; nothing was recorded, send the request again"
+            )
+        assert state.tokens is not None
+        message, finish = self._assistant_message(pending, output.output_ids, output.finish_reason)
+        state.tokens.append_model_turn(output.output_ids, message)
+        state.segments += model_segments(output.output_ids, output.logprobs, output.policy_versions)
+        state.messages.append(message)
+        state.turns.append(
+            TurnMetrics(
+                generated_tokens=len(output.output_ids),
+                generate_seconds=time.monotonic() - started,
+            )
+        )
+        state.last_finish = output.finish_reason
+        session.before_last, session.last_request = pending.base, pending.messages
+        session.state = state
+        return ModelTurn(
+            message, finish, output.output_ids, output.logprobs, len(pending.input_ids)
+        )
+
+    async def end(self, session_id: str) -> Trajectory:
+        """Ends a session and returns its trajectory. NotFoundError for an unknown session;
+        FailedPreconditionError while a request of it runs or after it ended."""
+        check_session_id(session_id)
+        self._check_not_ended(session_id)
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise NotFoundError(f"session {session_id!r} is unknown; none of its requests ran")
+        if session.busy:
+            raise FailedPreconditionError(f"session {session_id!r} has a request running")
+        del self._sessions[session_id]
+        self._ended[session_id] = None
+        if len(self._ended) > ENDED_SESSIONS_KEPT:
+            self._ended.popitem(last=False)
+        await self._engine.end_session(engine_session(session_id))
+        return session_trajectory(session)
+
+    def _check_not_ended(self, session_id: str) -> None:
+        if session_id in self._ended:
+            raise FailedPreconditionError(f"session {session_id!r} has ended")
+
+    async def _first_turn(
+        self,
+        request: ChatCompletionRequest,
+        messages: list[dict[str, Any]],
+        stop_ids: tuple[int, ...],
+    ) -> SessionState:
+        tools = request.tool_schemas()
+        tokens = ConversationTokens(
+            self.tokenizer,
+            self._chat_template,
+            tools,
+            stop_token_ids=[self.tokenizer.eos_token_id, *stop_ids],
+        )
+        prompt_ids = await asyncio.to_thread(tokens.prompt_ids, messages)
+        return SessionState(
+            tokens=tokens,
+            tools=tools,
+            stop_token_ids=stop_ids,
+            segments=[Segment(SegmentSource.PROMPT, prompt_ids)],
+            messages=[dict(m) for m in messages],
+        )
+
+    async def _next_turn(
+        self,
+        base: SessionState,
+        request: ChatCompletionRequest,
+        messages: list[dict[str, Any]],
+        stop_ids: tuple[int, ...],
+    ) -> SessionState:
+        if request.tool_schemas() != base.tools:
+            raise RequestFieldError(
+                "tools differ from the session's first request; a session keeps its tools", "tools"
+            )
+        if stop_ids != base.stop_token_ids:
+            raise RequestFieldError(
+                "stop differs from the session's first request; a session keeps its stop", "stop"
+            )
+        new_messages = history.new_messages(base.messages, messages)
+        tokens = copy.copy(base.tokens)  # the session's own changes only on commit
+        assert tokens is not None
+        new_ids = await asyncio.to_thread(tokens.append_messages, new_messages)
+        roles = {m["role"] for m in new_messages}
+        source = SegmentSource.TOOL if roles == {"tool"} else SegmentSource.USER
+        return dataclasses.replace(
+            base,
+            tokens=tokens,
+            segments=[
+                *base.segments,
+                *appended_segments(source, new_ids, tokens.generation_prompt_ids),
+            ],
+            messages=[*base.messages, *new_messages],
+            turns=list(base.turns),
+        )
+
+    def _stop_token_ids(self, request: ChatCompletionRequest) -> tuple[int, ...]:
+        ids = []
+        for text in request.stop_strings:
+            token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+            if len(token_ids) != 1:
+                raise RequestFieldError(
+                    f"stop {text!r} is {len(token_ids)} tokens; each stop must be one token of "
+                    "the model's vocabulary",
+                    "stop",
+                )
+            ids.append(token_ids[0])
+        return tuple(ids)
+
+    def _assistant_message(
+        self, pending: "PendingTurn", output_ids: list[int], finish: EngineFinish
+    ) -> tuple[dict[str, Any], str]:
+        """The assistant message that stands for the model's ids, and OpenAI's finish reason.
+        A turn with a malformed call is returned as its text, so the agent sees what the
+        model wrote."""
+        tokens = pending.state.tokens
+        assert tokens is not None
+        text = tokens.model_turn_text(output_ids)
+        if finish is EngineFinish.LENGTH:
+            return {"role": "assistant", "content": text}, "length"
+        parsed = self._parser(text) if pending.request.calls_tools else None
+        if parsed is None or parsed.errors or not parsed.tool_calls:
+            return {"role": "assistant", "content": text}, "stop"
+        turn = len(pending.state.turns)
+        calls = [
+            openai_tool_call(f"call_{turn}_{index}", call.name, call.arguments)
+            for index, call in enumerate(parsed.tool_calls)
+        ]
+        return {"role": "assistant", "content": parsed.content, "tool_calls": calls}, "tool_calls"
