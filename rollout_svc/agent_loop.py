@@ -77,6 +77,16 @@ class RolloutLimits:
     max_new_tokens: int
     max_turns: int
 
+    def turn_budget(self, length: int, response_length: int) -> int:
+        """The most tokens the next model turn may sample after `length` tokens,
+        `response_length` of them past the prompt: max_new_tokens within the room both length
+        limits leave (0 or less: no room)."""
+        return min(
+            self.max_new_tokens,
+            self.max_model_len - length,
+            self.max_response_length - response_length,
+        )
+
 
 @dataclass
 class AgentLoop:
@@ -246,11 +256,9 @@ class _Run:
     async def _model_turn(self, metrics: TurnMetrics) -> ParsedTurn:
         trajectory = self.trajectory
         token_ids = trajectory.token_ids
-        model_room = self.limits.max_model_len - len(token_ids)
-        response_room = self.limits.max_response_length - trajectory.response_length
-        budget = min(self.limits.max_new_tokens, model_room, response_room)
+        budget = self.limits.turn_budget(len(token_ids), trajectory.response_length)
         if budget <= 0:
-            limit = model_room <= 0
+            limit = len(token_ids) >= self.limits.max_model_len
             self.finish(FinishReason.MAX_MODEL_LEN if limit else FinishReason.MAX_RESPONSE_LENGTH)
             return ParsedTurn(content="", tool_calls=[], errors=[])
         started = time.monotonic()

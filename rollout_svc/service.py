@@ -29,7 +29,6 @@ from rollout_svc.engines.base import (
     ServerHeldWeights,
     broken_push_error,
 )
-from rollout_svc.gateway.session_state import SessionLimits
 from rollout_svc.gateway.sessions import ChatSessions
 from rollout_svc.interactions import INTERACTIONS
 from rollout_svc.interactions.base import Interaction
@@ -69,7 +68,12 @@ class RolloutService:
             loop.tokenizer,
             loop.chat_template,
             loop.parser,
-            SessionLimits(config.max_model_len, config.max_response_length, config.max_new_tokens),
+            RolloutLimits(
+                config.max_model_len,
+                config.max_response_length,
+                config.max_new_tokens,
+                config.max_turns,  # not applied: the agent decides when its episode ends
+            ),
             config.gateway.served_model_name or Path(config.model_path or "model").name,
             config.gateway.max_sessions,
         )

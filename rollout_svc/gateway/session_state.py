@@ -7,40 +7,12 @@ from typing import Any
 
 from rollout_svc.engines.base import FinishReason as EngineFinish
 from rollout_svc.engines.base import SamplingParams
-from rollout_svc.gateway.requests import ChatCompletionRequest, RequestFieldError
+from rollout_svc.gateway.requests import ChatCompletionRequest
 from turnrl.chat_tokens import ConversationTokens
 from turnrl.errors import InvalidArgumentError
 from turnrl.trajectory import FinishReason, Segment, Trajectory, TurnMetrics
 
 SESSION_ID = re.compile(r"[A-Za-z0-9._~:-]{1,128}")
-
-
-@dataclass(frozen=True)
-class SessionLimits:
-    """The rollout config's length limits, applied to each session's trajectory."""
-
-    max_model_len: int
-    max_response_length: int
-    max_new_tokens: int
-
-    def budget(self, asked: int | None, length: int, prompt_length: int) -> int:
-        """A turn's max_new_tokens: `asked` (None: max_new_tokens) within the limits, for a
-        session of `length` tokens, `prompt_length` of them its prompt. Raises
-        RequestFieldError when no token fits."""
-        budget = min(
-            asked or self.max_new_tokens,
-            self.max_new_tokens,
-            self.max_model_len - length,
-            self.max_response_length - (length - prompt_length),
-        )
-        if budget <= 0:
-            raise RequestFieldError(
-                f"the session holds {length} tokens ({prompt_length} of prompt), no room for a "
-                f"turn under max_model_len {self.max_model_len} and max_response_length "
-                f"{self.max_response_length}; end the session",
-                "messages",
-            )
-        return budget
 
 
 @dataclass(frozen=True)

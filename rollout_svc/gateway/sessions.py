@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from rollout_svc.agent_loop import RolloutLimits
 from rollout_svc.engines.base import Engine, SamplingParams
 from rollout_svc.engines.base import FinishReason as EngineFinish
 from rollout_svc.gateway import history
@@ -30,7 +31,6 @@ from rollout_svc.gateway.session_state import (
     ModelTurn,
     PendingTurn,
     Session,
-    SessionLimits,
     SessionState,
     check_session_id,
     engine_session,
@@ -68,7 +68,7 @@ class ChatSessions:
         tokenizer: Any,
         chat_template: str | None,
         parser: Callable[[str], ParsedTurn],
-        limits: SessionLimits,
+        limits: RolloutLimits,
         model_name: str,
         max_sessions: int,
     ) -> None:
@@ -133,7 +133,7 @@ class ChatSessions:
             state = await self._next_turn(base, request, messages, stop_ids)
         input_ids = [t for segment in state.segments for t in segment.token_ids]
         sampling = SamplingParams(
-            max_new_tokens=self._limits.budget(
+            max_new_tokens=self._turn_budget(
                 request.max_completion_tokens or request.max_tokens,
                 len(input_ids),
                 len(state.segments[0].token_ids),
@@ -258,6 +258,20 @@ class ChatSessions:
             messages=[*base.messages, *new_messages],
             turns=list(base.turns),
         )
+
+    def _turn_budget(self, asked: int | None, length: int, prompt_length: int) -> int:
+        """A turn's max_new_tokens: `asked` (None: rollout.max_new_tokens) within the rollout's
+        limits, for a session of `length` tokens, `prompt_length` of them its prompt. Raises
+        RequestFieldError when no token fits."""
+        budget = self._limits.turn_budget(length, length - prompt_length)
+        if budget <= 0:
+            raise RequestFieldError(
+                f"the session holds {length} tokens ({prompt_length} of prompt), no room for a "
+                f"turn under max_model_len {self._limits.max_model_len} and max_response_length "
+                f"{self._limits.max_response_length}; end the session",
+                "messages",
+            )
+        return min(asked, budget) if asked else budget
 
     def _stop_token_ids(self, request: ChatCompletionRequest) -> tuple[int, ...]:
         ids = []
