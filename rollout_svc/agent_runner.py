@@ -59,7 +59,7 @@ from turnrl.failures import AgentFailure
 
 CHILD_MODULE = "rollout_svc.agent_child"
 # The lines of the end of an agent's stderr (rollout_svc/agent_process.py keeps its last
-# MAX_STDERR_BYTES) kept in `stderr_tail`.
+# MAX_OUTPUT_BYTES[2] bytes) kept in `stderr_tail`.
 STDERR_TAIL_LINES = 20
 _NOT_JSON = object()  # the value of a last stdout line that is not JSON
 EXPECTED_RESULT = (

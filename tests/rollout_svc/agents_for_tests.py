@@ -70,6 +70,16 @@ def hangs(prompt: dict, base_url: str, api_key: str) -> str:
     return "unreachable"
 
 
+def escapes(prompt: dict, base_url: str, api_key: str) -> str:
+    """Starts a process that leaves the agent's process group (holding its stderr), reports its
+    pid and returns."""
+    command = [sys.executable, "-c", "import time; time.sleep(3600)"]
+    escaped = subprocess.Popen(command, start_new_session=True)
+    with _beacon(prompt) as (_, send):
+        send({"escaped_pid": escaped.pid})
+    return "returned while a process it started runs on"
+
+
 def held(prompt: dict, base_url: str, api_key: str) -> str:
     """Writes its start time, reports it started, waits for the test's go, writes its end time."""
     times = f"{prompt['times_dir']}/{prompt['index']}"

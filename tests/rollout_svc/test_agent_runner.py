@@ -2,11 +2,14 @@
 functions of tests/rollout_svc/agents_for_tests.py and small command lines."""
 
 import asyncio
+import gc
 import json
 import os
 import select
+import signal
 import socket
 import sys
+import warnings
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from rollout_svc import agent_process
 from rollout_svc.agent_runner import AgentConfig, AgentOutcome, AgentRunner
 from turnrl.failures import AgentFailure
 
@@ -67,9 +71,10 @@ async def beacon() -> AsyncIterator[Beacon]:
         await server.wait_closed()
 
 
-async def exited(pidfd: int) -> bool:
-    """Whether the process of `pidfd` ends (dies, or is a zombie) within WAIT_SECONDS."""
-    readable, _, _ = await asyncio.to_thread(select.select, [pidfd], [], [], WAIT_SECONDS)
+async def exited(pidfd: int, seconds: float = WAIT_SECONDS) -> bool:
+    """Whether the process of `pidfd` ends (dies, or is a zombie) within `seconds`; closes
+    `pidfd`."""
+    readable, _, _ = await asyncio.to_thread(select.select, [pidfd], [], [], seconds)
     os.close(pidfd)
     return bool(readable)
 
@@ -195,6 +200,25 @@ async def test_a_cancelled_run_kills_the_agent_and_the_processes_it_started(beac
     with pytest.raises(asyncio.CancelledError):
         await running
     assert [await exited(pidfd) for pidfd in pidfds] == [True, True]
+
+
+async def test_a_process_that_left_the_group_holds_up_the_run_a_bounded_time(beacon, monkeypatch):
+    monkeypatch.setattr(agent_process, "PIPE_DRAIN_SECONDS", 0.5)
+    running = asyncio.create_task(
+        run_agent("escapes", {"beacon": beacon.port}, timeout_seconds=WAIT_SECONDS)
+    )
+    message, _ = await beacon.next()
+    escaped = os.pidfd_open(message["escaped_pid"])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ResourceWarning)
+            outcome = await running
+            gc.collect()  # an unclosed pipe of the agent would warn now
+        assert outcome.answer == "returned while a process it started runs on"
+        assert not await exited(os.dup(escaped), seconds=0)  # it escaped the group kill
+    finally:
+        signal.pidfd_send_signal(escaped, signal.SIGKILL)
+        os.close(escaped)
 
 
 async def test_at_most_max_concurrent_agents_run_at_once(beacon, tmp_path):
