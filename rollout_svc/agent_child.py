@@ -1,5 +1,5 @@
-"""The process a callable agent runs in: `python -m rollout_svc.agent_child package.module:function`,
-started by rollout_svc/agent_runner.py, one per episode.
+"""The process a callable agent runs in, one per episode, started by rollout_svc/agent_runner.py
+as `python -m rollout_svc.agent_child package.module:function`.
 
 It reads one JSON object {"prompt": {...}, "base_url": str, "api_key": str} from stdin, calls
 `function(prompt, base_url, api_key)` (and runs it to the end with `asyncio.run` when it

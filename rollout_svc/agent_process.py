@@ -1,7 +1,7 @@
 """One process of a user's agent (rollout_svc/agent_runner.py), from its start to its end: run
-in a session (process group) of its own, tied to this process's life, fed its stdin, its
-output's ends kept, and ended with its whole group, however the run ends (the process exits, runs past its time, or
-the caller is cancelled).
+in a session (process group) of its own, tied to this process's life, fed its stdin, the ends
+of its output kept, and ended with its whole group however the run ends (the process exits,
+runs past its time, or the caller is cancelled).
 
 Killing the group ends the processes the agent started too, unless one left the group
 (setsid); such a process is not waited for past PIPE_DRAIN_SECONDS even if it holds the pipes.

@@ -6,12 +6,13 @@ The caller gives each episode the base URL of its gateway session
 ends with a result. Each episode runs in a child process in a session (process group) of its
 own, tied to this process's life (rollout_svc/agent_process.py), so a user's agent can neither
 crash nor block the rollout service, and a timeout or a cancellation kills the agent and every
-process it started (one that left the group with setsid escapes). At most `max_concurrent` episodes run at once; the
-others wait for a slot before their process starts, and `timeout_seconds` counts from then.
+process it started (one that left the group with setsid escapes). At most `max_concurrent`
+episodes run at once; the others wait for a slot before their process starts, and
+`timeout_seconds` counts from then.
 
 The two forms of an agent (`AgentConfig`), both started with OPENAI_BASE_URL and
 OPENAI_API_KEY (so `openai.OpenAI()` without arguments reaches the session) and `env` added to
-this process's environment:
+this process's environment (the session's variables win over `env`):
 - `callable: "package.module:function"`, called as `function(prompt, base_url, api_key)` (sync,
   or async: run with `asyncio.run`) in `python -m rollout_svc.agent_child` with this service's
   interpreter; the package must be importable there. The request goes to it as JSON on stdin
@@ -187,18 +188,20 @@ class AgentRunner:
             return _failed(AgentFailure.BAD_RESULT, message)
         if not is_callable:
             return _result(value)
-        if "unserializable" in value:
+        if isinstance(value, dict) and "unserializable" in value:
             return _failed(
                 AgentFailure.BAD_RESULT,
                 f"the agent returned a {value['unserializable']}, which is not JSON; "
                 f"expected {EXPECTED_RESULT}",
             )
+        if not (isinstance(value, dict) and "result" in value):  # not rollout_svc/agent_child.py's
+            return _failed(AgentFailure.BAD_RESULT, f"the agent's reply is garbled: {last[:200]!r}")
         return _result(value["result"])
 
 
 def _result(value: Any) -> AgentOutcome:
     """The outcome of an agent's result `value`, or BAD_RESULT naming what it was."""
-    fields = value if isinstance(value, dict) else {_result_key(value): value}
+    fields = value if isinstance(value, dict) else {_key_of(value): value}
     answer, reward = fields.get("answer"), fields.get("reward")
     if (
         fields.keys() <= {"answer", "reward"}
@@ -213,7 +216,8 @@ def _result(value: Any) -> AgentOutcome:
     )
 
 
-def _result_key(value: Any) -> str:
+def _key_of(value: Any) -> str:
+    """What a bare result is: a str is the answer; anything else is read as the reward."""
     return "answer" if isinstance(value, str) else "reward"
 
 
@@ -226,6 +230,8 @@ def _failed(failure: AgentFailure, message: str) -> AgentOutcome:
 
 
 def _crash_message(returncode: int | None) -> str:
-    if returncode is not None and returncode < 0:
+    if returncode is None:
+        return "the agent process did not end after SIGKILL"
+    if returncode < 0:
         return f"the agent process was killed by {signal.Signals(-returncode).name}"
     return f"the agent process exited with code {returncode}"
