@@ -18,8 +18,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TextIO
 
-import httpx
-
 
 def answer(prompt: dict, base_url: str, api_key: str) -> str:
     print("a line an agent prints is not its result")
@@ -95,6 +93,8 @@ def held(prompt: dict, base_url: str, api_key: str) -> str:
 
 def calls_http(prompt: dict, base_url: str, api_key: str) -> str:
     """Posts a chat completion to `base_url` with `api_key`, as an OpenAI client would."""
+    import httpx  # here: the other agents start without it
+
     response = httpx.post(
         f"{base_url}/chat/completions",
         headers={"Authorization": f"Bearer {api_key}"},

@@ -188,13 +188,13 @@ async def test_an_agent_returning_what_json_cannot_hold_is_a_bad_result():
 
 
 async def test_a_timed_out_agent_is_killed_with_the_processes_it_started(beacon):
-    running = asyncio.create_task(run_agent("hangs", {"beacon": beacon.port}, timeout_seconds=3.0))
+    running = asyncio.create_task(run_agent("hangs", {"beacon": beacon.port}, timeout_seconds=5.0))
     message, _ = await beacon.next()
     pidfds = [os.pidfd_open(message["pid"]), os.pidfd_open(message["grandchild_pid"])]
     outcome = await running
     assert outcome.failure is AgentFailure.TIMED_OUT
     assert outcome.error_message == (
-        "the agent ran past timeout_seconds=3.0; its process group was killed"
+        "the agent ran past timeout_seconds=5.0; its process group was killed"
     )
     assert (outcome.answer, outcome.reward) == (None, None)
     assert [await exited(pidfd) for pidfd in pidfds] == [True, True]
