@@ -19,6 +19,11 @@ response's failure is the model's (`error_score`, the lowest score, with the rea
 `extras["error"]`); a scorer that fails on it too is broken, the system's. A response past
 `max_response_bytes` is the model's: the model wrote it, so it earns `error_score`, never an
 exclusion that would spare it the consequence of writing it.
+
+A user's agent that the rollout runs as a process of its own (rollout_svc/agent_runner.py)
+and that ends without a result, whatever the reason (`AgentFailure`), is the system's: the
+model's turns reach that agent as replies it reads, so its process crashing, hanging or
+raising is the agent program's failure, not a turn the model took.
 """
 
 import enum
@@ -81,3 +86,19 @@ def tool_rpc_error_is_models(rpc: str, status: str) -> bool:
     """Whether a tool service RPC failing with `status` (a StatusCode name) answered what the
     model wrote, rather than failing to run its call."""
     return status in MODEL_TOOL_RPC_STATUSES.get(rpc, frozenset())
+
+
+class AgentFailure(enum.StrEnum):
+    """Why a user's agent process ended without a result (rollout_svc/agent_runner.py)."""
+
+    COULD_NOT_START = "agent_could_not_start"  # its command or interpreter could not be run
+    RAISED = "agent_raised"  # the agent function raised an exception
+    CRASHED = "agent_crashed"  # its process exited non-zero or was killed by a signal
+    TIMED_OUT = "agent_timed_out"  # it ran past the runner's time limit and was killed
+    BAD_RESULT = "agent_bad_result"  # it printed no result, or one that is not JSON or the contract
+
+
+# Every agent failure is the system's: the trajectory is excluded and counted, never scored 0.
+# An agent that raised is counted here too, as its code broke rather than a model turn; whether
+# some exceptions (the model's reply unparsable by the agent) should be the model's is open.
+SYSTEM_AGENT_FAILURES = frozenset(AgentFailure)

@@ -32,3 +32,8 @@ def test_only_the_rpc_errors_that_answer_what_the_model_wrote_are_its_own():
         ("CreateSession", "UNAVAILABLE"),
     ]:
         assert not failures.tool_rpc_error_is_models(rpc, status), (rpc, status)
+
+
+def test_every_agent_failure_is_the_systems():
+    assert set(failures.AgentFailure) == failures.SYSTEM_AGENT_FAILURES
+    assert all(failure.startswith("agent_") for failure in failures.AgentFailure)

@@ -1,0 +1,122 @@
+"""Agent functions that tests/rollout_svc/test_agent_runner.py runs in real child processes,
+each by its name ("tests.rollout_svc.agents_for_tests:answer"); each does one thing.
+
+Agents that must tell the test something while they run (their pid, that they started) connect
+to the test's beacon, a TCP server on 127.0.0.1 whose port is the prompt's "beacon", and send
+one JSON line; `held` then waits for the test's reply before it goes on.
+"""
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import TextIO
+
+
+def answer(prompt: dict, base_url: str, api_key: str) -> str:
+    print("a line an agent prints is not its result")
+    return f"answer to {prompt['question']}"
+
+
+def reward(prompt: dict, base_url: str, api_key: str) -> float:
+    return 0.75
+
+
+async def async_answer(prompt: dict, base_url: str, api_key: str) -> dict:
+    await asyncio.sleep(0)
+    return {"answer": f"async answer to {prompt['question']}", "reward": 1}
+
+
+def raises(prompt: dict, base_url: str, api_key: str) -> str:
+    raise ValueError(f"the agent broke on {prompt['question']!r}")
+
+
+def exits(prompt: dict, base_url: str, api_key: str) -> str:
+    print("exiting with code 3", file=sys.stderr, flush=True)
+    os._exit(3)
+
+
+def killed(prompt: dict, base_url: str, api_key: str) -> str:
+    os.kill(os.getpid(), signal.SIGKILL)
+    return "unreachable"
+
+
+def returns_list(prompt: dict, base_url: str, api_key: str) -> list:
+    return [1, 2]
+
+
+def returns_object(prompt: dict, base_url: str, api_key: str) -> object:
+    return object()
+
+
+def returns_nothing(prompt: dict, base_url: str, api_key: str) -> None:
+    return None
+
+
+def hangs(prompt: dict, base_url: str, api_key: str) -> str:
+    """Starts a grandchild (a sleeping process of its own), reports both pids, and hangs."""
+    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    with _beacon(prompt) as (_, send):
+        send({"pid": os.getpid(), "grandchild_pid": grandchild.pid})
+        time.sleep(3600)
+    return "unreachable"
+
+
+def escapes(prompt: dict, base_url: str, api_key: str) -> str:
+    """Starts a process that leaves the agent's process group (holding its stderr), reports its
+    pid and returns."""
+    command = [sys.executable, "-c", "import time; time.sleep(3600)"]
+    escaped = subprocess.Popen(command, start_new_session=True)
+    with _beacon(prompt) as (_, send):
+        send({"escaped_pid": escaped.pid})
+    return "returned while a process it started runs on"
+
+
+def held(prompt: dict, base_url: str, api_key: str) -> str:
+    """Writes its start time, reports it started, waits for the test's go, writes its end time."""
+    times = f"{prompt['times_dir']}/{prompt['index']}"
+    with open(f"{times}.start", "w") as f:
+        f.write(repr(time.monotonic()))
+    with _beacon(prompt) as (reader, send):
+        send({"index": prompt["index"], "pid": os.getpid()})
+        assert reader.readline().strip() == "go"
+    with open(f"{times}.end", "w") as f:
+        f.write(repr(time.monotonic()))
+    return f"episode {prompt['index']}"
+
+
+def calls_http(prompt: dict, base_url: str, api_key: str) -> str:
+    """Posts a chat completion to `base_url` with `api_key`, as an OpenAI client would."""
+    import httpx  # here: the other agents start without it
+
+    response = httpx.post(
+        f"{base_url}/chat/completions",
+        headers={"Authorization": f"Bearer {api_key}"},
+        json={"model": "policy", "messages": [{"role": "user", "content": prompt["question"]}]},
+        timeout=30,
+    )
+    response.raise_for_status()
+    return response.json()["choices"][0]["message"]["content"]
+
+
+@contextlib.contextmanager
+def _beacon(prompt: dict) -> Iterator[tuple[TextIO, Callable[[dict], None]]]:
+    """A connection to the test's beacon: yields a line reader and a function sending a JSON
+    line."""
+    with (
+        socket.create_connection(("127.0.0.1", prompt["beacon"]), timeout=60) as connection,
+        connection.makefile("rw") as file,
+    ):
+        connection.settimeout(None)
+
+        def send(message: dict) -> None:
+            file.write(json.dumps(message) + "\n")
+            file.flush()
+
+        yield file, send
