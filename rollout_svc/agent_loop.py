@@ -88,6 +88,15 @@ class RolloutLimits:
         )
 
 
+def turn_seed(seed: int | None, trajectory_id: str, turn: int) -> int | None:
+    """The caller's seed made distinct per trajectory and turn: one seed for all would give
+    the `n` samples of a prompt the same tokens."""
+    if seed is None:
+        return None
+    key = f"{seed}/{trajectory_id}/{turn}"
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") >> 1
+
+
 @dataclass
 class AgentLoop:
     """Everything a trajectory needs, shared by all of them."""
@@ -142,13 +151,18 @@ class AgentLoop:
             await asyncio.shield(run.release())
         trajectory = run.finished()
         if enable_scoring:
-            trajectory.reward = await self._score(prompt, trajectory)
+            trajectory.reward = await self.score(prompt, trajectory)
         return trajectory
 
-    async def _score(self, prompt: PromptSpec, trajectory: Trajectory) -> common_pb2.Reward:
+    async def score(
+        self, prompt: PromptSpec, trajectory: Trajectory, answer: str | None = None
+    ) -> common_pb2.Reward:
+        """The reward service's grade of `trajectory`, whose response is `answer` when given
+        (an agent's final answer), else its last assistant message. A reward service that
+        cannot answer gives a Reward with `error` set (the trajectory is left out of the loss)."""
         scoring_input = reward_pb2.ScoringInput(
             data_source=prompt.data_source,
-            response_text=_final_text(trajectory.messages),
+            response_text=_final_text(trajectory.messages) if answer is None else answer,
             messages=[dict_to_message(m) for m in trajectory.messages],
         )
         if prompt.ground_truth is not None:
@@ -269,7 +283,15 @@ class _Run:
         try:
             output = await self.loop.engine.generate(
                 token_ids,
-                dataclasses.replace(self.sampling, max_new_tokens=budget, seed=self._turn_seed()),
+                dataclasses.replace(
+                    self.sampling,
+                    max_new_tokens=budget,
+                    seed=turn_seed(
+                        self.sampling.seed,
+                        self.trajectory.trajectory_id,
+                        len(self.trajectory.turns),
+                    ),
+                ),
                 request_id=engine_request_id,
                 session_id=trajectory.trajectory_id,
             )
@@ -350,14 +372,6 @@ class _Run:
             self.step_rewards.append(result.step_reward)
         failed = result.HasField("error")
         return result.text, failed, failed and result.error.kind not in MODEL_TOOL_ERROR_KINDS
-
-    def _turn_seed(self) -> int | None:
-        """The caller's seed made distinct per trajectory and turn: one seed for all would give
-        the `n` samples of a prompt the same tokens."""
-        if self.sampling.seed is None:
-            return None
-        key = f"{self.sampling.seed}/{self.trajectory.trajectory_id}/{len(self.trajectory.turns)}"
-        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") >> 1
 
     async def _tool_session(self, name: str) -> str:
         """The session of a tool that has per-trajectory kwargs; "" for the others."""

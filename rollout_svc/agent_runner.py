@@ -35,11 +35,8 @@ system's: the episode is excluded from the loss and counted, never rewarded 0):
 | printed no result, or one off the contract above     | None          | BAD_RESULT      |
 A cancelled `run` (the Generate call aborted) kills the group and raises CancelledError.
 
-Done: the runner and its contract. Not yet: nothing calls it. The rollout service starts
-episodes with it once the gateway lands (issue 31, part 1: a session per episode, ended to
-take its trajectory, scored by the reward service or by the returned reward), and the trainer
-gets a rollout mode for agents after that; `AgentConfig` becomes a section of RolloutConfig
-then.
+The rollout service runs episodes with it in its agent mode (`rollout.agent`:
+rollout_svc/agent_episodes.py).
 """
 
 import asyncio

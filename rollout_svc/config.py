@@ -2,10 +2,11 @@
 where the tool and reward services are."""
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
+from rollout_svc.agent_runner import AgentConfig
 from turnrl.config import DEFAULT_PORTS, ClientConfig, ServerConfig, StrictModel, is_loopback
 
 
@@ -150,6 +151,21 @@ class RolloutConfig(StrictModel):
         default_factory=GatewayConfig,
         description="The OpenAI-compatible gateway for agents written elsewhere; off by default.",
     )
+    agent: AgentConfig | None = Field(
+        default=None,
+        description="A user's agent that plays each sample of a Generate call through the "
+        "gateway (rollout_svc/agent_episodes.py), instead of the built-in agent loop; needs "
+        "gateway.enabled. None: the agent loop.",
+    )
+
+    @model_validator(mode="after")
+    def _agent_needs_the_gateway(self) -> Self:
+        if self.agent is not None and not self.gateway.enabled:
+            raise ValueError(
+                "rollout.agent is set but rollout.gateway.enabled is false: the agent reaches "
+                "the policy through the gateway; set rollout.gateway.enabled=true"
+            )
+        return self
 
     @field_validator("engine_options")
     @classmethod

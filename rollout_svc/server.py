@@ -145,7 +145,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 async def serve(config: RolloutConfig) -> None:
     """Starts the engine, then serves the rollout service until SIGTERM or SIGINT, and its
     OpenAI-compatible gateway beside it when `rollout.gateway.enabled` (printing
-    `gateway of RolloutService on http://HOST:PORT` once it listens, before the gRPC line)."""
+    `gateway of RolloutService on http://HOST:PORT` once it listens, before the gRPC line),
+    through which the configured agent plays Generate's samples when `rollout.agent` is set."""
     service = await RolloutService.create(config)
     try:
         async with contextlib.AsyncExitStack() as gateway:
@@ -155,6 +156,9 @@ async def serve(config: RolloutConfig) -> None:
                 )
                 log.info("OpenAI gateway on %s", url)
                 print(f"gateway of RolloutService on {url}", flush=True)
+                if config.agent is not None:
+                    # The openai client refuses an empty key, so one that opens nothing.
+                    service.serve_agents(url, config.server.auth_token() or "no-key")
             await rpc.serve(
                 config.server,
                 rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"],

@@ -20,7 +20,9 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
+from rollout_svc.agent_episodes import AgentEpisodes
 from rollout_svc.agent_loop import AgentLoop, PromptSpec, RolloutLimits
+from rollout_svc.agent_runner import AgentRunner
 from rollout_svc.config import InteractionEntry, RolloutConfig
 from rollout_svc.engines import ENGINES
 from rollout_svc.engines.base import (
@@ -79,6 +81,9 @@ class RolloutService:
         )
         self._engine = engine
         self._loop = loop
+        # The user's agent in place of the agent loop (`rollout.agent`), once the gateway it
+        # calls listens (`serve_agents`).
+        self._episodes: AgentEpisodes | None = None
         self._tool_schemas = tool_schemas
         self._slots = asyncio.Semaphore(config.max_concurrent_trajectories)
         self._running: dict[str, set[asyncio.Task]] = {}
@@ -130,6 +135,14 @@ class RolloutService:
             reward_timeout_seconds=config.reward_timeout_seconds,
         )
         return cls(config, engine, loop, ToolSchemas(tool_client))
+
+    def serve_agents(self, gateway_url: str, api_key: str) -> None:
+        """Has Generate play its samples with the configured agent (`rollout.agent`) through
+        the gateway at `gateway_url`, which takes `api_key` as its bearer token."""
+        assert self._config.agent is not None, "only with rollout.agent set"
+        self._episodes = AgentEpisodes(
+            AgentRunner(self._config.agent), self.chat_sessions, self._loop, gateway_url, api_key
+        )
 
     def limits(
         self, max_model_len: int, max_response_length: int, max_new_tokens: int, max_turns: int
@@ -183,7 +196,11 @@ class RolloutService:
                 f"{len(prompts)} prompts times n={n} is more trajectories than "
                 f"rollout.max_trajectories_per_call={self._config.max_trajectories_per_call}"
             )
-        tools = [await self._tool_schemas.resolve(prompt.tool_names) for prompt in prompts]
+        # An agent brings its own tools (and calls them itself); the agent loop needs theirs.
+        tools = [
+            [] if self._episodes else await self._tool_schemas.resolve(prompt.tool_names)
+            for prompt in prompts
+        ]
         request_id = request_id or f"generate-{next(self._request_ids)}"
         if request_id in self._running:
             raise InvalidArgumentError(f"request_id {request_id!r} is already running")
@@ -192,6 +209,10 @@ class RolloutService:
 
         async def one(prompt: PromptSpec, prompt_tools: list[dict], index: int) -> Trajectory:
             async with self._slots:
+                if self._episodes is not None:
+                    return await self._episodes.run(
+                        prompt, index, sampling, limits, enable_scoring, request_id
+                    )
                 return await self._loop.run(
                     prompt, prompt_tools, index, sampling, limits, enable_scoring, request_id
                 )
@@ -210,6 +231,8 @@ class RolloutService:
             await asyncio.gather(*tasks, return_exceptions=True)
             del self._running[request_id]
             self._loop.forget(request_id)
+            if self._episodes is not None:
+                self._episodes.forget(request_id)
 
     async def abort(self, request_id: str) -> int:
         """Aborts the running trajectories of one call ("" for every call); how many."""
@@ -218,6 +241,8 @@ class RolloutService:
         for rid in request_ids:
             aborted += sum(not task.done() for task in self._running.get(rid, ()))
             await self._loop.abort(rid)
+            if self._episodes is not None:
+                await self._episodes.abort(rid)
         return aborted
 
     async def pause(self) -> tuple[int, int]:
@@ -362,6 +387,8 @@ class RolloutService:
                 # were ridden out, counted.
                 "tool_unavailable_answers": self._loop.tool_client.unavailable_answers,
                 "reward_unavailable_answers": self._loop.reward_replicas.unavailable_answers,
+                # Episodes of the user's agent the system failed, per kind.
+                **(self._episodes.failures if self._episodes is not None else {}),
             },
         }
 

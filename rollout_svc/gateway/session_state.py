@@ -1,10 +1,12 @@
 """What a gateway session holds: its recorded state, the request being answered, and the
 trajectory it ends as (sessions.py works on them)."""
 
+import asyncio
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_svc.agent_loop import RolloutLimits
 from rollout_svc.engines.base import FinishReason as EngineFinish
 from rollout_svc.engines.base import SamplingParams
 from rollout_svc.gateway.requests import ChatCompletionRequest
@@ -39,6 +41,17 @@ class SessionState:
     last_finish: EngineFinish | None = None
 
 
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """What the rollout service sets for a session it opened for an agent's episode
+    (rollout_svc/agent_episodes.py): the Generate call's sampling, which wins over the
+    request's temperature, top_p and seed (the trainer's distribution, not the agent's), and
+    its limits, max_turns included."""
+
+    sampling: SamplingParams
+    limits: RolloutLimits
+
+
 @dataclass
 class Session:
     """One session: what it recorded, and whether a request of it runs."""
@@ -49,6 +62,16 @@ class Session:
     before_last: SessionState | None = None
     last_request: list[dict[str, Any]] | None = None
     busy: bool = False
+    episode: EpisodeSettings | None = None  # None: a session an agent opened itself
+    # Set while no request runs, for `ChatSessions.close` to wait on.
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    engine_request_id: str | None = None  # the engine request of the running turn, to abort
+    closing: bool = False  # `ChatSessions.close` was called: no new turn starts
+    # The limit a refused request ran into: the model's doing, so the episode is still scored.
+    limit_reached: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        self.idle.set()
 
 
 @dataclass(frozen=True)
@@ -79,16 +102,18 @@ def engine_session(session_id: str) -> str:
 
 
 def session_trajectory(session: Session) -> Trajectory:
-    """The trajectory a session recorded, finished: MAX_NEW_TOKENS when its last turn was cut."""
+    """The trajectory a session recorded, finished: the limit a request ran into, else
+    MAX_NEW_TOKENS when its last turn was cut, else STOP."""
     state = session.state
     reasons = {EngineFinish.LENGTH: FinishReason.MAX_NEW_TOKENS}
+    finish_reason = session.limit_reached or reasons.get(state.last_finish, FinishReason.STOP)
     trajectory = Trajectory(
         trajectory_id=session.session_id,
         group_id=session.session_id,
         sample_index=0,
         segments=state.segments,
         messages=state.messages,
-        finish_reason=reasons.get(state.last_finish, FinishReason.STOP),
+        finish_reason=finish_reason,
         turns=state.turns,
     )
     trajectory.metrics = {

@@ -22,12 +22,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from rollout_svc.agent_loop import RolloutLimits
+from rollout_svc.agent_loop import RolloutLimits, turn_seed
 from rollout_svc.engines.base import Engine, SamplingParams
 from rollout_svc.engines.base import FinishReason as EngineFinish
 from rollout_svc.gateway import history
 from rollout_svc.gateway.requests import ChatCompletionRequest, RequestFieldError
 from rollout_svc.gateway.session_state import (
+    EpisodeSettings,
     ModelTurn,
     PendingTurn,
     Session,
@@ -46,6 +47,7 @@ from turnrl.errors import (
 )
 from turnrl.messages import openai_tool_call
 from turnrl.trajectory import (
+    FinishReason,
     Segment,
     SegmentSource,
     Trajectory,
@@ -107,14 +109,43 @@ class ChatSessions:
             raise FailedPreconditionError(
                 f"session {session_id!r} has a request running; a session takes one at a time"
             )
+        if session.closing:
+            raise FailedPreconditionError(f"session {session_id!r} is ending")
         session.busy = True
+        session.idle.clear()
         return session
 
     def release(self, session: "Session") -> None:
-        """Lets the session take its next request; forgets it when none has succeeded yet."""
+        """Lets the session take its next request; forgets it when none has succeeded yet
+        (unless the rollout service opened it for an episode)."""
         session.busy = False
-        if session.state.tokens is None:
+        session.idle.set()
+        if session.state.tokens is None and session.episode is None:
             self._sessions.pop(session.session_id, None)
+
+    def open(self, session_id: str, episode: EpisodeSettings) -> None:
+        """Opens a session for an agent's episode, with the Generate call's sampling and
+        limits; `close` ends it. Raises FailedPreconditionError for a session id in use."""
+        check_session_id(session_id)
+        self._check_not_ended(session_id)
+        if session_id in self._sessions:
+            raise FailedPreconditionError(f"session {session_id!r} is already open")
+        self._sessions[session_id] = Session(session_id, episode=episode)
+
+    async def close(self, session_id: str) -> Trajectory | None:
+        """Ends an episode's session however its agent ended: a request still running (the
+        agent was killed mid-request) is aborted and waited for, then the session ends as
+        `end` does. None when no request of it succeeded (the session is dropped)."""
+        session = self._sessions[session_id]
+        session.closing = True
+        if session.engine_request_id is not None:
+            await self._engine.abort(session.engine_request_id)
+        await session.idle.wait()
+        if session.state.tokens is None:
+            del self._sessions[session_id]
+            self._ended[session_id] = None
+            return None
+        return await self.end(session_id)
 
     async def prepare(self, session: "Session", request: ChatCompletionRequest) -> "PendingTurn":
         """The request's messages checked against the session (the prefix rule) and
@@ -132,17 +163,29 @@ class ChatSessions:
         else:
             state = await self._next_turn(base, request, messages, stop_ids)
         input_ids = [t for segment in state.segments for t in segment.token_ids]
-        sampling = SamplingParams(
-            max_new_tokens=self._turn_budget(
-                request.max_completion_tokens or request.max_tokens,
-                len(input_ids),
-                len(state.segments[0].token_ids),
-            ),
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            stop_token_ids=stop_ids,
-            seed=request.seed,
+        max_new_tokens = self._turn_budget(
+            session,
+            request.max_completion_tokens or request.max_tokens,
+            len(input_ids),
+            len(state.segments[0].token_ids),
+            len(state.turns),
         )
+        if session.episode is not None:  # the trainer's sampling, not the agent's
+            episode_sampling = session.episode.sampling
+            sampling = dataclasses.replace(
+                episode_sampling,
+                max_new_tokens=max_new_tokens,
+                stop_token_ids=stop_ids,
+                seed=turn_seed(episode_sampling.seed, session.session_id, len(state.turns)),
+            )
+        else:
+            sampling = SamplingParams(
+                max_new_tokens=max_new_tokens,
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                stop_token_ids=stop_ids,
+                seed=request.seed,
+            )
         return PendingTurn(session, request, messages, base, state, input_ids, sampling)
 
     async def generate(self, pending: "PendingTurn") -> ModelTurn:
@@ -152,15 +195,20 @@ class ChatSessions:
         session, state = pending.session, pending.state
         turn = len(state.turns)
         started = time.monotonic()
+        if session.closing:
+            raise UnavailableError(f"session {session.session_id!r} is ending")
+        session.engine_request_id = f"gateway/{session.session_id}/{turn}/{time.monotonic_ns()}"
         try:
             output = await self._engine.generate(
                 pending.input_ids,
                 pending.sampling,
-                request_id=f"gateway/{session.session_id}/{turn}/{time.monotonic_ns()}",
+                request_id=session.engine_request_id,
                 session_id=engine_session(session.session_id),
             )
         except FailedPreconditionError as e:  # the engine's weights are mid-push
             raise UnavailableError(str(e)) from e
+        finally:
+            session.engine_request_id = None
         if output.finish_reason is EngineFinish.ABORT or not output.output_ids:
             raise UnavailableError(
                 f"the engine ended the turn with {output.finish_reason.value!r} after "
@@ -259,16 +307,31 @@ class ChatSessions:
             turns=list(base.turns),
         )
 
-    def _turn_budget(self, asked: int | None, length: int, prompt_length: int) -> int:
-        """A turn's max_new_tokens: `asked` (None: rollout.max_new_tokens) within the rollout's
-        limits, for a session of `length` tokens, `prompt_length` of them its prompt. Raises
-        RequestFieldError when no token fits."""
-        budget = self._limits.turn_budget(length, length - prompt_length)
+    def _turn_budget(
+        self, session: Session, asked: int | None, length: int, prompt_length: int, turns: int
+    ) -> int:
+        """A turn's max_new_tokens: `asked` (None: max_new_tokens) within the session's limits
+        (its episode's, else the rollout's), for a session of `length` tokens, `prompt_length`
+        of them its prompt, after `turns` model turns. Raises RequestFieldError when no token
+        fits or an episode has had its max_turns, and records which limit it was."""
+        limits = self._limits if session.episode is None else session.episode.limits
+        budget = limits.turn_budget(length, length - prompt_length)
+        if session.episode is not None and turns >= limits.max_turns:
+            session.limit_reached = FinishReason.MAX_TURNS
+            raise RequestFieldError(
+                f"the episode has had its {limits.max_turns} model turns (max_turns); end it",
+                "messages",
+            )
         if budget <= 0:
+            session.limit_reached = (
+                FinishReason.MAX_MODEL_LEN
+                if length >= limits.max_model_len
+                else FinishReason.MAX_RESPONSE_LENGTH
+            )
             raise RequestFieldError(
                 f"the session holds {length} tokens ({prompt_length} of prompt), no room for a "
-                f"turn under max_model_len {self._limits.max_model_len} and max_response_length "
-                f"{self._limits.max_response_length}; end the session",
+                f"turn under max_model_len {limits.max_model_len} and max_response_length "
+                f"{limits.max_response_length}; end the session",
                 "messages",
             )
         return min(asked, budget) if asked else budget

@@ -120,3 +120,41 @@ def _beacon(prompt: dict) -> Iterator[tuple[TextIO, Callable[[dict], None]]]:
             file.flush()
 
         yield file, send
+
+
+# Agents of tests/rollout_svc/test_agent_episodes.py, which call the policy through their
+# episode's gateway session with the real `openai` client.
+
+
+def _chat(base_url: str, api_key: str):
+    import openai  # here: the other agents start without it
+
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    return client, client.models.list().data[0].id
+
+
+def asks_then_rewards(prompt: dict, base_url: str, api_key: str) -> dict:
+    """One request, then the reward the agent computed itself."""
+    client, model = _chat(base_url, api_key)
+    client.chat.completions.create(model=model, messages=prompt["messages"], max_tokens=8)
+    return {"reward": 0.25}
+
+
+def asks_until_refused(prompt: dict, base_url: str, api_key: str) -> str:
+    """Asks, answers "Go on." and asks again until the gateway refuses (a limit); raises then."""
+    client, model = _chat(base_url, api_key)
+    messages = list(prompt["messages"])
+    while True:
+        reply = client.chat.completions.create(model=model, messages=messages)
+        messages += [reply.choices[0].message, {"role": "user", "content": "Go on."}]
+
+
+def asks_then_hangs(prompt: dict, base_url: str, api_key: str) -> str:
+    """One request, then reports its pid to the test's beacon (the prompt's extra_info) and
+    hangs."""
+    client, model = _chat(base_url, api_key)
+    client.chat.completions.create(model=model, messages=prompt["messages"], max_tokens=8)
+    with _beacon(prompt["extra_info"]) as (_, send):
+        send({"pid": os.getpid()})
+        time.sleep(3600)
+    return "unreachable"
