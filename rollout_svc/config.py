@@ -7,7 +7,7 @@ from typing import Any, Literal, Self
 from pydantic import Field, field_validator, model_validator
 
 from rollout_svc.agent_runner import AgentConfig
-from turnrl.config import DEFAULT_PORTS, ClientConfig, ServerConfig, StrictModel, is_loopback
+from turnrl.config import DEFAULT_PORTS, ClientConfig, ServerConfig, StrictModel
 
 
 class InteractionEntry(StrictModel):
@@ -25,13 +25,16 @@ class InteractionEntry(StrictModel):
 
 class GatewayConfig(StrictModel):
     """The OpenAI-compatible gateway (rollout_svc.gateway): an HTTP port of the rollout
-    service's own on which agents written elsewhere call the service's engine."""
+    service's own on which agents written elsewhere call the service's engine. It serves with
+    the security of the service's gRPC server (`rollout.server`): HTTPS with `server.tls`, a
+    bearer token (the `openai` client's api_key) with `server.auth_token_env`."""
 
     enabled: bool = Field(default=False, description="Serve the gateway beside the gRPC service.")
     host: str = Field(
         default="127.0.0.1",
-        description="Interface to bind; loopback only until the gateway takes the gRPC "
-        "server's TLS and bearer-token settings.",
+        description="Interface to bind, apart from the gRPC server's. 127.0.0.1 keeps the "
+        "gateway private to this machine; any other address needs server.tls or "
+        "server.auth_token_env (or server.allow_insecure), as the gRPC server's host does.",
     )
     port: int = Field(
         default=0, ge=0, le=65535, description="TCP port; 0 picks a free one (printed at start)."
@@ -52,16 +55,6 @@ class GatewayConfig(StrictModel):
         description="Sessions open at once (started, not ended), each holding its trajectory; "
         "a request that would open one more is refused with HTTP 429.",
     )
-
-    @field_validator("host")
-    @classmethod
-    def _loopback_only(cls, host: str) -> str:
-        if not is_loopback(host):
-            raise ValueError(
-                f"gateway.host {host!r} is reachable from other machines, and the gateway has "
-                "neither TLS nor a bearer token yet; bind 127.0.0.1"
-            )
-        return host
 
 
 class RolloutConfig(StrictModel):

@@ -145,14 +145,15 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 async def serve(config: RolloutConfig) -> None:
     """Starts the engine, then serves the rollout service until SIGTERM or SIGINT, and its
     OpenAI-compatible gateway beside it when `rollout.gateway.enabled` (printing
-    `gateway of RolloutService on http://HOST:PORT` once it listens, before the gRPC line),
-    through which the configured agent plays Generate's samples when `rollout.agent` is set."""
+    `gateway of RolloutService on http://HOST:PORT`, https:// with `server.tls`, once it
+    listens, before the gRPC line), through which the configured agent plays Generate's
+    samples when `rollout.agent` is set."""
     service = await RolloutService.create(config)
     try:
         async with contextlib.AsyncExitStack() as gateway:
             if config.gateway.enabled:
                 url = await gateway.enter_async_context(
-                    serve_gateway(config.gateway, service.chat_sessions)
+                    serve_gateway(config.gateway, config.server, service.chat_sessions)
                 )
                 log.info("OpenAI gateway on %s", url)
                 print(f"gateway of RolloutService on {url}", flush=True)

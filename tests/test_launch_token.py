@@ -89,3 +89,7 @@ def test_an_exposed_server_needs_tls_a_token_or_allow_insecure():
     ServerConfig(port=0, host="0.0.0.0", auth_token_env="T").check_exposure()
     ServerConfig(port=0, host="0.0.0.0", allow_insecure=True).check_exposure()
     ServerConfig(port=0, host="127.0.0.1").check_exposure()
+    # Another listener of the service (the rollout gateway) is held to its server's settings.
+    with pytest.raises(ConfigError, match=r"gateway\.host '0\.0\.0\.0' is reachable"):
+        ServerConfig(port=0).check_exposure("0.0.0.0", setting="gateway.host")
+    ServerConfig(port=0, auth_token_env="T").check_exposure("0.0.0.0", setting="gateway.host")

@@ -91,15 +91,20 @@ class ServerConfig(StrictModel):
         """The bearer token this server requires, read from `auth_token_env`."""
         return read_secret_env(self.auth_token_env) if self.auth_token_env else None
 
-    def check_exposure(self) -> None:
+    def check_exposure(self, host: str | None = None, setting: str = "server.host") -> None:
         """Raises ConfigError, saying why and what to do, when the server would listen where
-        other machines reach it with neither TLS nor a token, unless `allow_insecure`."""
-        if is_loopback(self.host) or self.tls or self.auth_token_env or self.allow_insecure:
+        other machines reach it with neither TLS nor a token, unless `allow_insecure`.
+
+        `host` and `setting` name another listener of the same service that serves with
+        these settings (the rollout service's gateway: `gateway.host`); None: this server's."""
+        host = self.host if host is None else host
+        if is_loopback(host) or self.tls or self.auth_token_env or self.allow_insecure:
             return
         raise ConfigError(
-            f"server.host {self.host!r} is reachable from other machines, and the service "
+            f"{setting} {host!r} is reachable from other machines, and the service "
             "would have neither TLS (server.tls) nor a bearer token (server.auth_token_env): "
-            "anyone who reaches it could run code in its tools, push weights or start runs. "
+            "anyone who reaches it could run code in its tools, push weights, start runs or "
+            "sample from the policy. "
             "Set one of them (`turnrl up` and `run` make a token for the services they start: "
             "launcher.auth_token), bind 127.0.0.1, or set server.allow_insecure: true on a "
             "network that is private already"

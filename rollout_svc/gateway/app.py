@@ -8,19 +8,27 @@ Routes (the `openai` client takes `base_url=http://HOST:PORT/sessions/<id>/v1` a
   first request), streamed as server-sent events with `stream: true`;
 - `POST /sessions/{id}/end`: ends the session and returns its trajectory as JSON.
 
-Errors have OpenAI's shape and status: 400 for a bad request or history, 404 for an unknown
-route, model or session, 409 for a second request on a busy session or one that ended (or whose
-last turn cannot be continued), 413 for a body over `gateway.max_request_bytes`, 503 when the
-engine could not answer. A stream sends its role chunk once the request is checked and the
-rest when the turn is sampled (the engine returns whole turns); an error after the first chunk
-comes as an `error` event. A client that leaves a stream cancels its engine request; one that
-leaves a plain request has its turn recorded, and its retry replaces that turn (sessions.py).
+The gateway serves with the rollout service's `server` settings: HTTPS with its certificate
+(`server.tls`; client certificates required with `client_ca_file`), and with
+`server.auth_token_env` every route requires `Authorization: Bearer <token>` (the `openai`
+client sends its api_key so), answering 401 without it.
+
+Errors have OpenAI's shape and status: 400 for a bad request or history, 401 for a missing or
+wrong token, 404 for an unknown route, model or session, 409 for a second request on a busy
+session or one that ended (or whose last turn cannot be continued), 413 for a body over
+`gateway.max_request_bytes`, 503 when the engine could not answer. A stream sends its role
+chunk once the request is checked and the rest when the turn is sampled (the engine returns
+whole turns); an error after the first chunk comes as an `error` event. A client that leaves a
+stream cancels its engine request; one that leaves a plain request has its turn recorded, and
+its retry replaces that turn (sessions.py).
 """
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import socket
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -28,16 +36,20 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rollout_svc.config import GatewayConfig
 from rollout_svc.gateway import replies
 from rollout_svc.gateway.requests import ChatCompletionRequest, parse_request
 from rollout_svc.gateway.session_state import ModelTurn, PendingTurn
 from rollout_svc.gateway.sessions import ChatSessions
+from turnrl.config import ServerConfig
 from turnrl.errors import (
+    ConfigError,
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -63,8 +75,8 @@ class RequestTooLargeError(Exception):
     """A request body over the gateway's limit (HTTP 413)."""
 
 
-def build_app(sessions: ChatSessions, max_request_bytes: int) -> Starlette:
-    """The gateway's ASGI app over `sessions`."""
+def build_app(sessions: ChatSessions, max_request_bytes: int, token: str | None) -> Starlette:
+    """The gateway's ASGI app over `sessions`; with `token`, every route requires it."""
     created = int(time.time())
     tokenizer = sessions.tokenizer
 
@@ -106,6 +118,7 @@ def build_app(sessions: ChatSessions, max_request_bytes: int) -> Starlette:
     handlers = {error_type: _error for error_type, _ in STATUS_BY_ERROR}
     return Starlette(
         routes=routes,
+        middleware=[Middleware(BearerTokenMiddleware, token=token)] if token else [],
         exception_handlers={
             HTTPException: _http_error,
             RequestTooLargeError: _error,
@@ -116,31 +129,50 @@ def build_app(sessions: ChatSessions, max_request_bytes: int) -> Starlette:
 
 
 @contextlib.asynccontextmanager
-async def serve_gateway(config: GatewayConfig, sessions: ChatSessions) -> AsyncIterator[str]:
-    """Serves the gateway in this event loop on `config.host:config.port` (0: a free port);
-    yields its base URL, `http://HOST:PORT`, and stops it on exit. Raises OSError when the
-    address cannot be bound."""
-    app = build_app(sessions, config.max_request_bytes)
+async def serve_gateway(
+    config: GatewayConfig, server: ServerConfig, sessions: ChatSessions
+) -> AsyncIterator[str]:
+    """Serves the gateway in this event loop on `config.host:config.port` (0: a free port),
+    with the TLS and bearer token of the rollout service's gRPC `server`; yields its base URL,
+    `http://HOST:PORT` (`https://` with TLS), and stops it on exit. Raises OSError when the
+    address cannot be bound, ConfigError when the TLS files cannot be loaded, the token's
+    variable is unset, or the host is one other machines reach and the gateway would have
+    neither TLS nor a token (`ServerConfig.check_exposure`)."""
+    server.check_exposure(config.host, setting="gateway.host")
+    app = build_app(sessions, config.max_request_bytes, server.auth_token())
+    tls = server.tls
+    uvicorn_config = uvicorn.Config(
+        app,
+        lifespan="off",
+        log_config=None,
+        log_level="warning",
+        # Requests still running then are cancelled (their engine requests aborted).
+        timeout_graceful_shutdown=STOP_TIMEOUT_SECONDS / 2,
+        ssl_certfile=tls.cert_file if tls else None,
+        ssl_keyfile=tls.key_file if tls else None,
+        ssl_ca_certs=tls.client_ca_file if tls else None,
+        ssl_cert_reqs=ssl.CERT_REQUIRED if tls and tls.client_ca_file else ssl.CERT_NONE,
+    )
+    if tls is not None:
+        # Loads the TLS files now, so that a bad one fails the start, not the server task
+        # (which would tell only when the gateway stops).
+        try:
+            uvicorn_config.load()
+        except OSError as e:  # ssl.SSLError included
+            files = [str(f) for f in (tls.cert_file, tls.key_file, tls.client_ca_file) if f]
+            raise ConfigError(f"server.tls: the gateway cannot load {files}: {e}") from e
     sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((config.host.strip("[]"), config.port))
     sock.listen()
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            lifespan="off",
-            log_config=None,
-            log_level="warning",
-            # Requests still running then are cancelled (their engine requests aborted).
-            timeout_graceful_shutdown=STOP_TIMEOUT_SECONDS / 2,
-        )
-    )
-    task = asyncio.create_task(server.serve(sockets=[sock]))
+    gateway = uvicorn.Server(uvicorn_config)
+    task = asyncio.create_task(gateway.serve(sockets=[sock]))
     host = f"[{config.host}]" if ":" in config.host else config.host
+    scheme = "https" if tls else "http"
     try:
-        yield f"http://{host}:{sock.getsockname()[1]}"
+        yield f"{scheme}://{host}:{sock.getsockname()[1]}"
     finally:
-        server.should_exit = True
+        gateway.should_exit = True
         try:
             async with asyncio.timeout(STOP_TIMEOUT_SECONDS):
                 await task
@@ -181,6 +213,33 @@ async def _stream(
     if with_usage:
         yield chunk(None, turn_usage=replies.usage(turn))
     yield replies.event("[DONE]")
+
+
+class BearerTokenMiddleware:
+    """Answers a request without `Authorization: Bearer <token>` with 401 and OpenAI's
+    `invalid_api_key` error, before any route runs."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self._app = app
+        self._expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        presented = dict(scope["headers"]).get(b"authorization", b"")
+        # In constant time: how long a wrong token takes to refuse tells nothing of the right one.
+        if hmac.compare_digest(presented, self._expected):
+            await self._app(scope, receive, send)
+            return
+        reason = "invalid bearer token" if presented else "missing bearer token"
+        message = (
+            f"{reason}: send `Authorization: Bearer <token>` (the openai client's api_key) "
+            "with the token of the rollout service's server.auth_token_env"
+        )
+        body = replies.error_body(401, message, code="invalid_api_key")
+        refusal = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await refusal(scope, receive, send)
 
 
 class _EventStream(StreamingResponse):

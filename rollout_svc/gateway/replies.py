@@ -11,6 +11,7 @@ from turnrl.trajectory import Trajectory
 # OpenAI's error `type` by HTTP status.
 ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",

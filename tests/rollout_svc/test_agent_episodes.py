@@ -20,6 +20,7 @@ from rollout_svc.service import RolloutService
 from tests.in_process_services import reward_service_address
 from tests.rollout_svc.test_agent_runner import beacon, exited  # noqa: F401 (a fixture)
 from tests.rollout_svc.test_rollout_core import collect, prompt_specs, rollout
+from turnrl.config import ServerConfig
 from turnrl.failures import AgentFailure
 from turnrl.trajectory import FinishReason, SegmentSource
 
@@ -36,7 +37,7 @@ async def agent_rollout(
     gateway = GatewayConfig(enabled=True, port=0)
     async with (
         rollout(model_dir, reward, gateway=gateway, agent=agent, **settings) as service,
-        serve_gateway(gateway, service.chat_sessions) as url,
+        serve_gateway(gateway, ServerConfig(port=0), service.chat_sessions) as url,
     ):
         if agent is not None:
             service.serve_agents(url, "no-key")

@@ -40,20 +40,27 @@ class Gateway:
     url: str
     clients: list[openai.AsyncOpenAI] = field(default_factory=list)
 
-    def client(self, session_id: str) -> openai.AsyncOpenAI:
-        """The real `openai` client on a session's base URL, closed with the gateway."""
+    def client(self, session_id: str, api_key: str = "unused", **options) -> openai.AsyncOpenAI:
+        """The real `openai` client on a session's base URL (with `options`, as
+        `http_client`), closed with the gateway."""
         chat = openai.AsyncOpenAI(
-            base_url=f"{self.url}/sessions/{session_id}/v1", api_key="unused", max_retries=0
+            base_url=f"{self.url}/sessions/{session_id}/v1",
+            api_key=api_key,
+            max_retries=0,
+            **options,
         )
         self.clients.append(chat)
         return chat
 
 
 @contextlib.asynccontextmanager
-async def gateway_server(model_dir, **gateway_settings) -> AsyncIterator[Gateway]:
-    """A rollout service (gRPC on a free port) with its gateway on another."""
+async def gateway_server(
+    model_dir, server: ServerConfig | None = None, **gateway_settings
+) -> AsyncIterator[Gateway]:
+    """A rollout service (gRPC on a free port, or as `server` says) with its gateway on
+    another."""
     config = RolloutConfig(
-        server=ServerConfig(port=0),
+        server=server or ServerConfig(port=0),
         model_path=str(model_dir),
         tool_service=ClientConfig(address=UNUSED_ADDRESS),
         reward_service=ClientConfig(address=UNUSED_ADDRESS),
@@ -61,7 +68,9 @@ async def gateway_server(model_dir, **gateway_settings) -> AsyncIterator[Gateway
     )
     service = await RolloutService.create(config)
     try:
+        # The gateway first, as rollout_svc.server.serve starts them.
         async with (
+            serve_gateway(config.gateway, config.server, service.chat_sessions) as url,
             serve_in_process(
                 config.server,
                 rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"],
@@ -69,7 +78,6 @@ async def gateway_server(model_dir, **gateway_settings) -> AsyncIterator[Gateway
                     RolloutServicer(service), s
                 ),
             ),
-            serve_gateway(config.gateway, service.chat_sessions) as url,
         ):
             gateway = Gateway(service, url)
             try:
