@@ -29,7 +29,7 @@ import uuid
 from rollout_svc.agent_loop import AgentLoop, PromptSpec, RolloutLimits
 from rollout_svc.agent_runner import AgentOutcome, AgentRunner
 from rollout_svc.engines.base import SamplingParams
-from rollout_svc.gateway.session_state import EpisodeSettings
+from rollout_svc.gateway.session_state import EpisodeSettings, session_metrics
 from rollout_svc.gateway.sessions import ChatSessions
 from turnrl.trajectory import FinishReason, Trajectory
 from turnrl.v1 import common_pb2
@@ -124,7 +124,11 @@ class AgentEpisodes:
     ) -> Trajectory:
         """The session's trajectory under the sample's ids (an empty one without a request)."""
         trajectory = recorded or Trajectory(
-            trajectory_id="", group_id="", sample_index=0, messages=list(prompt.messages)
+            trajectory_id="",
+            group_id="",
+            sample_index=0,
+            messages=list(prompt.messages),
+            metrics=session_metrics([], 0),
         )
         trajectory.trajectory_id = f"{prompt.prompt_id}/{sample_index}"
         trajectory.group_id = prompt.prompt_id

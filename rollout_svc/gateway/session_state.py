@@ -116,8 +116,16 @@ def session_trajectory(session: Session) -> Trajectory:
         finish_reason=finish_reason,
         turns=state.turns,
     )
-    trajectory.metrics = {
-        "turns": float(len(state.turns)),
-        "model_tokens": float(sum(trajectory.loss_mask)),
-    }
+    trajectory.metrics = session_metrics(state.turns, sum(trajectory.loss_mask))
     return trajectory
+
+
+def session_metrics(turns: list[TurnMetrics], model_tokens: int) -> dict[str, float]:
+    """A session's summary metrics, under the agent loop's names. The agent runs its tools, so
+    how they went is not seen here: tool_errors is 0."""
+    return {
+        "turns": float(len(turns)),
+        "model_tokens": float(model_tokens),
+        "tool_calls": float(sum(turn.tool_calls for turn in turns)),
+        "tool_errors": 0.0,
+    }

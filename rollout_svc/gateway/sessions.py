@@ -222,6 +222,7 @@ class ChatSessions:
         state.turns.append(
             TurnMetrics(
                 generated_tokens=len(output.output_ids),
+                tool_calls=len(message.get("tool_calls", ())),
                 generate_seconds=time.monotonic() - started,
             )
         )

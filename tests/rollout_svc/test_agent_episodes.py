@@ -72,7 +72,9 @@ async def test_the_openai_sdk_agent_records_what_the_agent_loop_does(tiny_model_
         assert played.loss_mask == expected.loss_mask
         assert played.rollout_logprobs == pytest.approx(expected.rollout_logprobs, abs=1e-5)
         assert played.reward == expected.reward and not played.reward.error  # extras included
-        tool_calls += sum(s.source is SegmentSource.TOOL for s in played.segments)
+        for name in ("turns", "model_tokens", "tool_calls"):  # the trainer's figures
+            assert played.metrics[name] == expected.metrics[name]
+        tool_calls += played.metrics["tool_calls"]
     assert tool_calls > 0  # the agent ran the calculator, as the agent loop had the tool service
     assert all(t.reward.extras for t in episodes.values())  # the scorer's extracted answer
 
