@@ -50,10 +50,18 @@ def solve(prompt: dict[str, Any], base_url: str, api_key: str) -> str:
 
 
 def calculator(arguments: str) -> str:
-    """The calculator tool: exact arithmetic on the call's `expression`, or what was wrong."""
+    """The calculator tool on a call's JSON arguments, or what was wrong with them."""
     try:
-        value = _evaluate(ast.parse(json.loads(arguments)["expression"], mode="eval").body)
-    except (ValueError, KeyError, TypeError, SyntaxError, ZeroDivisionError) as e:
+        return calculate(json.loads(arguments)["expression"])
+    except (ValueError, KeyError, TypeError) as e:
+        return f"error: {e}"
+
+
+def calculate(expression: str) -> str:
+    """Exact arithmetic on `expression`, or what was wrong with it."""
+    try:
+        value = _evaluate(ast.parse(expression, mode="eval").body)
+    except (ValueError, TypeError, SyntaxError, ZeroDivisionError) as e:
         return f"error: {e}"
     return str(value.numerator) if value.denominator == 1 else str(float(value))
 

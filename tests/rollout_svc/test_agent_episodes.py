@@ -48,12 +48,14 @@ def agent_named(name: str, **settings) -> AgentConfig:
     return AgentConfig(callable=f"{TEST_AGENTS}:{name}", timeout_seconds=60, **settings)
 
 
-async def test_the_openai_sdk_agent_records_what_the_agent_loop_does(tiny_model_dir):
-    """Greedy, the example agent (an openai SDK loop running the calculator itself) and the
-    built-in agent loop (calling the tool service) produce the same ids, masks, logprobs and
-    rewards for the same prompts: the gateway's sessions are token-exact trajectories."""
+@pytest.mark.parametrize("example", ["openai_agent", "langgraph_agent"])
+async def test_an_example_agent_records_what_the_agent_loop_does(tiny_model_dir, example):
+    """Greedy, an example agent (an openai SDK loop, or LangGraph's ReAct graph over
+    LangChain's ChatOpenAI, each running the calculator itself) and the built-in agent loop
+    (calling the tool service) produce the same ids, masks, logprobs and rewards for the same
+    prompts: the gateway's sessions are token-exact trajectories of agents left unchanged."""
     prompts = prompt_specs(3)
-    example = AgentConfig(callable="examples.openai_agent.agent:solve", timeout_seconds=120)
+    example = AgentConfig(callable=f"examples.{example}.agent:solve", timeout_seconds=120)
     by_mode = {}
     async with reward_service_address() as reward:
         for agent in (None, example):
