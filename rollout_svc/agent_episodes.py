@@ -119,6 +119,10 @@ class AgentEpisodes:
         """Drops the bookkeeping of a finished Generate call."""
         self._agents.pop(request_id, None)
 
+    async def close(self) -> None:
+        """Stops the agent's fork server; an episode still running fails."""
+        await self._runner.close()
+
     def _trajectory(
         self, prompt: PromptSpec, sample_index: int, recorded: Trajectory | None
     ) -> Trajectory:

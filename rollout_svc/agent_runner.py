@@ -44,18 +44,16 @@ import dataclasses
 import json
 import math
 import os
-import signal
-import sys
 import time
 from typing import Any
 
 from pydantic import Field, model_validator
 
-from rollout_svc.agent_process import run_in_group
+from rollout_svc.agent_fork_server import AgentForkServer, ForkServerDied
+from rollout_svc.agent_process import describe_exit, run_in_group
 from turnrl.config import StrictModel
 from turnrl.failures import AgentFailure
 
-CHILD_MODULE = "rollout_svc.agent_child"
 # The lines of the end of an agent's stderr (rollout_svc/agent_process.py keeps its last
 # MAX_OUTPUT_BYTES[2] bytes) kept in `stderr_tail`.
 STDERR_TAIL_LINES = 20
@@ -124,6 +122,11 @@ class AgentRunner:
     def __init__(self, config: AgentConfig):
         self._config = config
         self._slots = asyncio.Semaphore(config.max_concurrent)
+        self._forks = (
+            None
+            if config.callable is None
+            else AgentForkServer(config.callable, {**os.environ, **config.env})
+        )
 
     async def run(self, prompt: dict[str, Any], base_url: str, api_key: str) -> AgentOutcome:
         """Runs the agent on `prompt` against the session at `base_url` until it ends, waiting
@@ -134,20 +137,32 @@ class AgentRunner:
             outcome = await self._run(prompt, base_url, api_key)
             return dataclasses.replace(outcome, seconds=time.monotonic() - started)
 
+    async def close(self) -> None:
+        """Stops the callable agent's fork server, killing the episodes it still runs."""
+        if self._forks is not None:
+            await self._forks.close()
+
     async def _run(self, prompt: dict[str, Any], base_url: str, api_key: str) -> AgentOutcome:
         config = self._config
-        env = {**os.environ, **config.env, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
-        if config.command is not None:
-            command, stdin = config.command, None
-            env["TURNRL_PROMPT"] = json.dumps(prompt)
-        else:
-            command = [sys.executable, "-m", CHILD_MODULE, config.callable]
+        if self._forks is not None:
             request = {"prompt": prompt, "base_url": base_url, "api_key": api_key}
-            stdin = json.dumps(request).encode()
-        try:
-            end = await run_in_group(command, env, stdin, config.timeout_seconds)
-        except OSError as e:
-            return _failed(AgentFailure.COULD_NOT_START, f"could not start {command[0]!r}: {e}")
+            try:
+                end = await self._forks.run(request, config.timeout_seconds)
+            except OSError as e:
+                message = f"could not start the agent's fork server or fork it: {e}"
+                return _failed(AgentFailure.COULD_NOT_START, message)
+            except ForkServerDied as e:
+                return _failed(AgentFailure.CRASHED, str(e))
+        else:
+            env = {**os.environ, **config.env}
+            env.update(
+                OPENAI_BASE_URL=base_url, OPENAI_API_KEY=api_key, TURNRL_PROMPT=json.dumps(prompt)
+            )
+            try:
+                end = await run_in_group(config.command, env, None, config.timeout_seconds)
+            except OSError as e:
+                message = f"could not start {config.command[0]!r}: {e}"
+                return _failed(AgentFailure.COULD_NOT_START, message)
         stderr_lines = end.stderr.splitlines()[-STDERR_TAIL_LINES:]
         outcome = self._outcome(end.returncode, end.timed_out, end.stdout, stderr_lines)
         return dataclasses.replace(outcome, stderr_tail="\n".join(stderr_lines))
@@ -172,7 +187,7 @@ class AgentRunner:
             # (DESIGN.md "Failures"); whether some exceptions are the model's is an open question.
             return _failed(AgentFailure.RAISED, f"the agent raised {value['raised']}")
         if returncode != 0:
-            message = _crash_message(returncode)
+            message = f"the agent process {describe_exit(returncode)}"
             if stderr_lines and stderr_lines[-1].strip():
                 message += f"; its stderr ends with {stderr_lines[-1].strip()[:200]!r}"
             return _failed(AgentFailure.CRASHED, message)
@@ -224,11 +239,3 @@ def _is_number(value: Any) -> bool:
 
 def _failed(failure: AgentFailure, message: str) -> AgentOutcome:
     return AgentOutcome(failure=failure, error_message=message)
-
-
-def _crash_message(returncode: int | None) -> str:
-    if returncode is None:
-        return "the agent process did not end after SIGKILL"
-    if returncode < 0:
-        return f"the agent process was killed by {signal.Signals(-returncode).name}"
-    return f"the agent process exited with code {returncode}"
