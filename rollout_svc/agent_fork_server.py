@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import logging
 import os
 import shutil
 import signal
@@ -24,6 +25,8 @@ from typing import Any
 
 from rollout_svc.agent_process import MAX_OUTPUT_BYTES, ProcessEnd, describe_exit
 from turnrl.subprocesses import die_with_parent
+
+log = logging.getLogger(__name__)
 
 ZYGOTE_MODULE = "rollout_svc.agent_zygote"
 # How long an episode's pid and exit may take to be reported once its group is killed, and the
@@ -44,10 +47,9 @@ class _Episode:
     pid: int | None = None
     returncode: int | None = None
     error: str = ""  # why it could not be forked
-    forked: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # pid or error known
-    ended: asyncio.Event = dataclasses.field(
-        default_factory=asyncio.Event
-    )  # returncode known, or never will be
+    over: bool = False  # its run is over (its process ended, timed out or was cancelled)
+    # Set once its returncode is known (or never will be).
+    ended: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
 @dataclasses.dataclass
@@ -96,11 +98,13 @@ class AgentForkServer:
         except TimeoutError:
             timed_out = True
         finally:  # ended, timed out or cancelled: the group goes, what the agent started too
-            await _kill_group(episode)
-            del zygote.episodes[episode_id]
-            # A few KiB at most, from a file just written: read here, not in a thread.
-            result = _take_tail(episode.result_path, MAX_OUTPUT_BYTES[1])
-            stderr = _take_tail(episode.stderr_path, MAX_OUTPUT_BYTES[2])
+            try:
+                await _end(episode)
+            finally:
+                del zygote.episodes[episode_id]
+                # At most MAX_OUTPUT_BYTES of a file just written: read here, not in a thread.
+                result = _take_tail(episode.result_path, MAX_OUTPUT_BYTES[1])
+                stderr = _take_tail(episode.stderr_path, MAX_OUTPUT_BYTES[2])
         if episode.error:
             raise OSError(episode.error)
         if episode.returncode is None and zygote.death:
@@ -150,20 +154,12 @@ class AgentForkServer:
 async def _read_reports(zygote: _Zygote) -> None:
     """Hands the zygote's reports to their episodes until its stdout ends; then, the zygote
     dead, kills the groups of its episodes and fails them."""
-    async for line in zygote.process.stdout:
-        report = json.loads(line)
-        episode = zygote.episodes.get(report["episode"])
-        if episode is None:  # its run was cancelled before it was forked
-            continue
-        if "returncode" in report:
-            episode.returncode = report["returncode"]
-            episode.ended.set()
-        else:
-            episode.pid = report.get("pid")
-            episode.error = report.get("error", "")
-            episode.forked.set()
-            if episode.error:
-                episode.ended.set()
+    try:
+        async for line in zygote.process.stdout:
+            _hand_over(zygote, json.loads(line))
+    except (ValueError, KeyError):  # a bug: the zygote goes, and its episodes fail, not hang
+        log.exception("a report off the agent fork server's wire")
+        zygote.process.kill()
     try:
         async with asyncio.timeout(REPORT_SECONDS):
             returncode = await zygote.process.wait()
@@ -174,23 +170,39 @@ async def _read_reports(zygote: _Zygote) -> None:
     for episode in zygote.episodes.values():
         if episode.pid is not None:
             _kill(episode.pid)
-        episode.forked.set()
         episode.ended.set()
 
 
-async def _kill_group(episode: _Episode) -> None:
-    """Kills the episode's process group once its pid is reported, and waits for its end."""
-    await _reported(episode.forked)
+def _hand_over(zygote: _Zygote, report: dict[str, Any]) -> None:
+    """Records a report of the zygote's in its episode."""
+    episode = zygote.episodes.get(report["episode"])
+    if "pid" in report and (episode is None or episode.over):
+        # Forked after its run timed out or was cancelled (behind a slow import, say), maybe
+        # before its setsid: killed now, or no one would.
+        _kill(report["pid"])
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(report["pid"], signal.SIGKILL)
+    if episode is None:  # its run is over and forgotten
+        return
+    if "returncode" in report:
+        episode.returncode = report["returncode"]
+        episode.ended.set()
+        return
+    episode.pid = report.get("pid")
+    episode.error = report.get("error", "")
+    if episode.error:
+        episode.ended.set()
+
+
+async def _end(episode: _Episode) -> None:
+    """Kills the episode's process group (once its pid is reported, if it is not yet) and
+    waits for its end, at most REPORT_SECONDS."""
+    episode.over = True
     if episode.pid is not None:
         _kill(episode.pid)
-    await _reported(episode.ended)
-
-
-async def _reported(event: asyncio.Event) -> None:
-    """Waits for `event`, at most REPORT_SECONDS."""
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(REPORT_SECONDS):
-            await event.wait()
+            await episode.ended.wait()
 
 
 def _kill(pid: int) -> None:

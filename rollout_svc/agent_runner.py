@@ -3,24 +3,27 @@ its own for one prompt, and turns how it ended into an `AgentOutcome`.
 
 The caller gives each episode the base URL of its gateway session
 (`http://HOST:PORT/sessions/<id>/v1`) and an API key; the agent talks to the policy there and
-ends with a result. Each episode runs in a child process in a session (process group) of its
-own, tied to this process's life (rollout_svc/agent_process.py), so a user's agent can neither
-crash nor block the rollout service, and a timeout or a cancellation kills the agent and every
-process it started (one that left the group with setsid escapes). At most `max_concurrent`
-episodes run at once; the others wait for a slot before their process starts, and
-`timeout_seconds` counts from then.
+ends with a result. Each episode runs in a process in a session (process group) of its own, tied
+to this process's life, so a user's agent can neither crash nor block the rollout service, and a
+timeout or a cancellation kills the agent and every process it started (one that left the group
+with setsid escapes, and holds up nothing). At most `max_concurrent` episodes run at once; the
+others wait for a slot before their process starts, and `timeout_seconds` counts from then.
 
 The two forms of an agent (`AgentConfig`), both started with OPENAI_BASE_URL and
 OPENAI_API_KEY (so `openai.OpenAI()` without arguments reaches the session) and `env` added to
 this process's environment (the session's variables win over `env`):
 - `callable: "package.module:function"`, called as `function(prompt, base_url, api_key)` (sync,
-  or async: run with `asyncio.run`) in `python -m rollout_svc.agent_child` with this service's
-  interpreter; the package must be importable there. The request goes to it as JSON on stdin
-  and its result comes back as one JSON line on its stdout; what the agent prints goes to
-  stderr (rollout_svc/agent_child.py has the wire format).
-- `command: [...]`: any program, run as given with TURNRL_PROMPT (the prompt as JSON; Linux
-  caps one environment variable at 128 KiB) in its environment and no stdin. It prints its
-  result as JSON on the last non-empty line of its stdout; earlier lines are ignored.
+  or async: run with `asyncio.run`) in a fork of the agent's fork server: one process per
+  runner (`python -m rollout_svc.agent_zygote` with this service's interpreter; the package
+  must be importable there) that imports the module once, at the first episode, so an episode
+  costs a fork instead of a Python start-up and the agent's imports. It is restarted at the
+  next episode when it dies, and stopped by `close`. What the agent prints lands in
+  `stderr_tail` (rollout_svc/agent_zygote.py has the wire format and what forks share,
+  rollout_svc/agent_fork_server.py this side of it).
+- `command: [...]`: any program, run as given per episode (rollout_svc/agent_process.py) with
+  TURNRL_PROMPT (the prompt as JSON; Linux caps one environment variable at 128 KiB) in its
+  environment and no stdin. It prints its result as JSON on the last non-empty line of its
+  stdout; earlier lines are ignored.
 A result is a str (the final answer), a number (the reward), or an object with "answer" (str)
 and/or "reward" (number).
 
@@ -28,9 +31,11 @@ How an episode ends (failure kinds: turnrl/failures.py `AgentFailure`, all of th
 system's: the episode is excluded from the loss and counted, never rewarded 0):
 | it ...                                               | answer/reward | failure         |
 | returned a result                                    | set           | None            |
-| could not be started (command not found)             | None          | COULD_NOT_START |
-| raised (its traceback's last line in error_message)  | None          | RAISED          |
-| exited non-zero, or was killed by a signal           | None          | CRASHED         |
+| could not be started (command not found, no fork)    | None          | COULD_NOT_START |
+| raised (its traceback's last line in error_message;  | None          | RAISED          |
+|   a callable's module failing to import, every time) |               |                 |
+| exited non-zero, or was killed by a signal; for a    | None          | CRASHED         |
+|   callable, also: its fork server died meanwhile     |               |                 |
 | ran past `timeout_seconds` (its group is killed)     | None          | TIMED_OUT       |
 | printed no result, or one off the contract above     | None          | BAD_RESULT      |
 A cancelled `run` (the Generate call aborted) kills the group and raises CancelledError.
@@ -71,7 +76,7 @@ class AgentConfig(StrictModel):
         default=None,
         pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
         description="'package.module:function', called as function(prompt, base_url, api_key) "
-        "in a child process; returns the answer (str), a reward (number), or a dict with "
+        "in a forked process; returns the answer (str), a reward (number), or a dict with "
         "'answer' and/or 'reward'. Exactly one of `callable` and `command`.",
     )
     command: list[str] | None = Field(
@@ -206,7 +211,7 @@ class AgentRunner:
                 f"the agent returned a {value['unserializable']}, which is not JSON; "
                 f"expected {EXPECTED_RESULT}",
             )
-        if not (isinstance(value, dict) and "result" in value):  # not rollout_svc/agent_child.py's
+        if not (isinstance(value, dict) and "result" in value):  # not rollout_svc/agent_zygote.py's
             return _failed(AgentFailure.BAD_RESULT, f"the agent's reply is garbled: {last[:200]!r}")
         return _result(value["result"])
 

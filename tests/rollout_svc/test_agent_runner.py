@@ -269,6 +269,22 @@ async def test_a_timed_out_agent_is_killed_with_the_processes_it_started(beacon)
     assert [await exited(pidfd) for pidfd in pidfds] == [True, True]
 
 
+async def test_an_episode_forked_after_its_timeout_is_killed(tmp_path):
+    # Its timeout passes while the zygote still imports the module, before it forks.
+    (tmp_path / "slow_import.py").write_text(
+        "import time\ntime.sleep(2)\n\ndef solve(prompt, base_url, api_key):\n    time.sleep(3600)\n"
+    )
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    runner = AgentRunner(AgentConfig(callable="slow_import:solve", timeout_seconds=0.1, env=env))
+    try:
+        outcome = await runner.run({}, BASE_URL, API_KEY)
+        assert outcome.failure is AgentFailure.TIMED_OUT
+        [zygote] = zygotes()
+        assert children(zygote) == []  # killed once forked, and reaped
+    finally:
+        await runner.close()
+
+
 async def test_a_cancelled_run_kills_the_agent_and_the_processes_it_started(beacon):
     running = asyncio.create_task(run_agent("hangs", {"beacon": beacon.port}))
     message, _ = await beacon.next()
