@@ -92,8 +92,9 @@ class AgentConfig(StrictModel):
     timeout_seconds: float = Field(
         default=300.0,
         gt=0,
-        description="Longest episode, in seconds from its process's start; past it the agent "
-        "and the processes it started are killed.",
+        description="Longest episode, in seconds from its process's start (a callable's: from "
+        "its request to the fork server, so the first episodes include the module's import); "
+        "past it the agent and the processes it started are killed.",
     )
     env: dict[str, str] = Field(
         default_factory=dict, description="Environment variables set for the agent's process."
