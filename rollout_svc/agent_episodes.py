@@ -4,10 +4,11 @@ unchanged).
 
 For each sample the service opens a gateway session with the call's sampling and limits
 (`ChatSessions.open`), runs the agent on the prompt with that session's base URL
-(`AgentRunner`), closes the session when the agent ends (aborting a request it left running)
-and takes the session's token-exact trajectory. The trajectory is then scored: by the reward
-the agent returned, else by the reward service on the agent's answer (else its last assistant
-message), as the agent loop scores its own.
+(`AgentRunner`: a callable agent is forked from one fork server that imported it once, started
+at the first episode and stopped by `close`), closes the session when the agent ends (aborting
+a request it left running) and takes the session's token-exact trajectory. The trajectory is
+then scored: by the reward the agent returned, else by the reward service on the agent's answer
+(else its last assistant message), as the agent loop scores its own.
 
 How an episode ends, and whether it trains (DESIGN.md "Failures": what the model caused is
 scored; what the system caused is excluded and counted):
@@ -118,6 +119,10 @@ class AgentEpisodes:
     def forget(self, request_id: str) -> None:
         """Drops the bookkeeping of a finished Generate call."""
         self._agents.pop(request_id, None)
+
+    async def close(self) -> None:
+        """Stops the agent's fork server; an episode still running fails."""
+        await self._runner.close()
 
     def _trajectory(
         self, prompt: PromptSpec, sample_index: int, recorded: Trajectory | None

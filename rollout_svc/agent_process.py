@@ -129,3 +129,12 @@ async def _stop(transport: asyncio.SubprocessTransport, protocol: _AgentProtocol
                 await protocol.done.wait()
     finally:
         transport.close()
+
+
+def describe_exit(returncode: int | None) -> str:
+    """How a process ended, as a predicate: "exited with code 3", "was killed by SIGKILL"."""
+    if returncode is None:
+        return "did not end after SIGKILL"
+    if returncode < 0:
+        return f"was killed by {signal.Signals(-returncode).name}"
+    return f"exited with code {returncode}"

@@ -3,24 +3,27 @@ its own for one prompt, and turns how it ended into an `AgentOutcome`.
 
 The caller gives each episode the base URL of its gateway session
 (`http://HOST:PORT/sessions/<id>/v1`) and an API key; the agent talks to the policy there and
-ends with a result. Each episode runs in a child process in a session (process group) of its
-own, tied to this process's life (rollout_svc/agent_process.py), so a user's agent can neither
-crash nor block the rollout service, and a timeout or a cancellation kills the agent and every
-process it started (one that left the group with setsid escapes). At most `max_concurrent`
-episodes run at once; the others wait for a slot before their process starts, and
-`timeout_seconds` counts from then.
+ends with a result. Each episode runs in a process in a session (process group) of its own, tied
+to this process's life, so a user's agent can neither crash nor block the rollout service, and a
+timeout or a cancellation kills the agent and every process it started (one that left the group
+with setsid escapes, and holds up nothing). At most `max_concurrent` episodes run at once; the
+others wait for a slot before their process starts, and `timeout_seconds` counts from then.
 
 The two forms of an agent (`AgentConfig`), both started with OPENAI_BASE_URL and
 OPENAI_API_KEY (so `openai.OpenAI()` without arguments reaches the session) and `env` added to
 this process's environment (the session's variables win over `env`):
 - `callable: "package.module:function"`, called as `function(prompt, base_url, api_key)` (sync,
-  or async: run with `asyncio.run`) in `python -m rollout_svc.agent_child` with this service's
-  interpreter; the package must be importable there. The request goes to it as JSON on stdin
-  and its result comes back as one JSON line on its stdout; what the agent prints goes to
-  stderr (rollout_svc/agent_child.py has the wire format).
-- `command: [...]`: any program, run as given with TURNRL_PROMPT (the prompt as JSON; Linux
-  caps one environment variable at 128 KiB) in its environment and no stdin. It prints its
-  result as JSON on the last non-empty line of its stdout; earlier lines are ignored.
+  or async: run with `asyncio.run`) in a fork of the agent's fork server: one process per
+  runner (`python -m rollout_svc.agent_zygote` with this service's interpreter; the package
+  must be importable there) that imports the module once, at the first episode, so an episode
+  costs a fork instead of a Python start-up and the agent's imports. It is restarted at the
+  next episode when it dies, and stopped by `close`. What the agent prints lands in
+  `stderr_tail` (rollout_svc/agent_zygote.py has the wire format and what forks share,
+  rollout_svc/agent_fork_server.py this side of it).
+- `command: [...]`: any program, run as given per episode (rollout_svc/agent_process.py) with
+  TURNRL_PROMPT (the prompt as JSON; Linux caps one environment variable at 128 KiB) in its
+  environment and no stdin. It prints its result as JSON on the last non-empty line of its
+  stdout; earlier lines are ignored.
 A result is a str (the final answer), a number (the reward), or an object with "answer" (str)
 and/or "reward" (number).
 
@@ -28,9 +31,11 @@ How an episode ends (failure kinds: turnrl/failures.py `AgentFailure`, all of th
 system's: the episode is excluded from the loss and counted, never rewarded 0):
 | it ...                                               | answer/reward | failure         |
 | returned a result                                    | set           | None            |
-| could not be started (command not found)             | None          | COULD_NOT_START |
-| raised (its traceback's last line in error_message)  | None          | RAISED          |
-| exited non-zero, or was killed by a signal           | None          | CRASHED         |
+| could not be started (command not found, no fork)    | None          | COULD_NOT_START |
+| raised (its traceback's last line in error_message;  | None          | RAISED          |
+|   a callable's module failing to import, every time) |               |                 |
+| exited non-zero, or was killed by a signal; for a    | None          | CRASHED         |
+|   callable, also: its fork server died meanwhile     |               |                 |
 | ran past `timeout_seconds` (its group is killed)     | None          | TIMED_OUT       |
 | printed no result, or one off the contract above     | None          | BAD_RESULT      |
 A cancelled `run` (the Generate call aborted) kills the group and raises CancelledError.
@@ -44,18 +49,16 @@ import dataclasses
 import json
 import math
 import os
-import signal
-import sys
 import time
 from typing import Any
 
 from pydantic import Field, model_validator
 
-from rollout_svc.agent_process import run_in_group
+from rollout_svc.agent_fork_server import AgentForkServer, ForkServerDied
+from rollout_svc.agent_process import describe_exit, run_in_group
 from turnrl.config import StrictModel
 from turnrl.failures import AgentFailure
 
-CHILD_MODULE = "rollout_svc.agent_child"
 # The lines of the end of an agent's stderr (rollout_svc/agent_process.py keeps its last
 # MAX_OUTPUT_BYTES[2] bytes) kept in `stderr_tail`.
 STDERR_TAIL_LINES = 20
@@ -73,7 +76,7 @@ class AgentConfig(StrictModel):
         default=None,
         pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
         description="'package.module:function', called as function(prompt, base_url, api_key) "
-        "in a child process; returns the answer (str), a reward (number), or a dict with "
+        "in a forked process; returns the answer (str), a reward (number), or a dict with "
         "'answer' and/or 'reward'. Exactly one of `callable` and `command`.",
     )
     command: list[str] | None = Field(
@@ -89,8 +92,9 @@ class AgentConfig(StrictModel):
     timeout_seconds: float = Field(
         default=300.0,
         gt=0,
-        description="Longest episode, in seconds from its process's start; past it the agent "
-        "and the processes it started are killed.",
+        description="Longest episode, in seconds from its process's start (a callable's: from "
+        "its request to the fork server, so the first episodes include the module's import); "
+        "past it the agent and the processes it started are killed.",
     )
     env: dict[str, str] = Field(
         default_factory=dict, description="Environment variables set for the agent's process."
@@ -124,6 +128,11 @@ class AgentRunner:
     def __init__(self, config: AgentConfig):
         self._config = config
         self._slots = asyncio.Semaphore(config.max_concurrent)
+        self._forks = (
+            None
+            if config.callable is None
+            else AgentForkServer(config.callable, {**os.environ, **config.env})
+        )
 
     async def run(self, prompt: dict[str, Any], base_url: str, api_key: str) -> AgentOutcome:
         """Runs the agent on `prompt` against the session at `base_url` until it ends, waiting
@@ -134,20 +143,32 @@ class AgentRunner:
             outcome = await self._run(prompt, base_url, api_key)
             return dataclasses.replace(outcome, seconds=time.monotonic() - started)
 
+    async def close(self) -> None:
+        """Stops the callable agent's fork server, killing the episodes it still runs."""
+        if self._forks is not None:
+            await self._forks.close()
+
     async def _run(self, prompt: dict[str, Any], base_url: str, api_key: str) -> AgentOutcome:
         config = self._config
-        env = {**os.environ, **config.env, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
-        if config.command is not None:
-            command, stdin = config.command, None
-            env["TURNRL_PROMPT"] = json.dumps(prompt)
-        else:
-            command = [sys.executable, "-m", CHILD_MODULE, config.callable]
+        if self._forks is not None:
             request = {"prompt": prompt, "base_url": base_url, "api_key": api_key}
-            stdin = json.dumps(request).encode()
-        try:
-            end = await run_in_group(command, env, stdin, config.timeout_seconds)
-        except OSError as e:
-            return _failed(AgentFailure.COULD_NOT_START, f"could not start {command[0]!r}: {e}")
+            try:
+                end = await self._forks.run(request, config.timeout_seconds)
+            except OSError as e:
+                message = f"could not start the agent's fork server or fork it: {e}"
+                return _failed(AgentFailure.COULD_NOT_START, message)
+            except ForkServerDied as e:
+                return _failed(AgentFailure.CRASHED, str(e))
+        else:
+            env = {**os.environ, **config.env}
+            env.update(
+                OPENAI_BASE_URL=base_url, OPENAI_API_KEY=api_key, TURNRL_PROMPT=json.dumps(prompt)
+            )
+            try:
+                end = await run_in_group(config.command, env, None, config.timeout_seconds)
+            except OSError as e:
+                message = f"could not start {config.command[0]!r}: {e}"
+                return _failed(AgentFailure.COULD_NOT_START, message)
         stderr_lines = end.stderr.splitlines()[-STDERR_TAIL_LINES:]
         outcome = self._outcome(end.returncode, end.timed_out, end.stdout, stderr_lines)
         return dataclasses.replace(outcome, stderr_tail="\n".join(stderr_lines))
@@ -172,7 +193,7 @@ class AgentRunner:
             # (DESIGN.md "Failures"); whether some exceptions are the model's is an open question.
             return _failed(AgentFailure.RAISED, f"the agent raised {value['raised']}")
         if returncode != 0:
-            message = _crash_message(returncode)
+            message = f"the agent process {describe_exit(returncode)}"
             if stderr_lines and stderr_lines[-1].strip():
                 message += f"; its stderr ends with {stderr_lines[-1].strip()[:200]!r}"
             return _failed(AgentFailure.CRASHED, message)
@@ -191,7 +212,7 @@ class AgentRunner:
                 f"the agent returned a {value['unserializable']}, which is not JSON; "
                 f"expected {EXPECTED_RESULT}",
             )
-        if not (isinstance(value, dict) and "result" in value):  # not rollout_svc/agent_child.py's
+        if not (isinstance(value, dict) and "result" in value):  # not rollout_svc/agent_zygote.py's
             return _failed(AgentFailure.BAD_RESULT, f"the agent's reply is garbled: {last[:200]!r}")
         return _result(value["result"])
 
@@ -224,11 +245,3 @@ def _is_number(value: Any) -> bool:
 
 def _failed(failure: AgentFailure, message: str) -> AgentOutcome:
     return AgentOutcome(failure=failure, error_message=message)
-
-
-def _crash_message(returncode: int | None) -> str:
-    if returncode is None:
-        return "the agent process did not end after SIGKILL"
-    if returncode < 0:
-        return f"the agent process was killed by {signal.Signals(-returncode).name}"
-    return f"the agent process exited with code {returncode}"

@@ -400,6 +400,8 @@ class RolloutService:
         for tasks in self._running.values():
             for task in tasks:
                 task.cancel()
+        if self._episodes is not None:
+            await self._episodes.close()
         await self._engine.close()
         for interaction in self._loop.interactions.values():
             await interaction.close()

@@ -1,4 +1,4 @@
-"""Agent functions that tests/rollout_svc/test_agent_runner.py runs in real child processes,
+"""Agent functions that tests/rollout_svc/test_agent_runner.py runs in real forked processes,
 each by its name ("tests.rollout_svc.agents_for_tests:answer"); each does one thing.
 
 Agents that must tell the test something while they run (their pid, that they started) connect
@@ -45,6 +45,11 @@ def exits(prompt: dict, base_url: str, api_key: str) -> str:
 def killed(prompt: dict, base_url: str, api_key: str) -> str:
     os.kill(os.getpid(), signal.SIGKILL)
     return "unreachable"
+
+
+def family(prompt: dict, base_url: str, api_key: str) -> str:
+    """Answers with its pid and its parent's (the zygote's)."""
+    return f"{os.getpid()} {os.getppid()}"
 
 
 def returns_list(prompt: dict, base_url: str, api_key: str) -> list:

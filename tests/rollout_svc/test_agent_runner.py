@@ -1,5 +1,6 @@
-"""The agent runner (rollout_svc/agent_runner.py) with real child processes: the agents are the
-functions of tests/rollout_svc/agents_for_tests.py and small command lines."""
+"""The agent runner (rollout_svc/agent_runner.py) with real processes: the agents are the
+functions of tests/rollout_svc/agents_for_tests.py, forked by a real fork server
+(rollout_svc/agent_zygote.py), and small command lines."""
 
 import asyncio
 import contextlib
@@ -22,7 +23,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from rollout_svc import agent_process
 from rollout_svc.agent_runner import AgentConfig, AgentOutcome, AgentRunner
 from turnrl.failures import AgentFailure
 
@@ -33,10 +33,20 @@ API_KEY = "key-of-session-s1"
 WAIT_SECONDS = 60.0
 
 
+@contextlib.asynccontextmanager
+async def agent_runner(name: str, **config) -> AsyncIterator[AgentRunner]:
+    """A runner of the test agent `name`, closed on exit."""
+    runner = AgentRunner(AgentConfig(callable=f"{AGENTS}:{name}", **config))
+    try:
+        yield runner
+    finally:
+        await runner.close()
+
+
 async def run_agent(name: str, prompt: dict | None = None, **config) -> AgentOutcome:
     """Runs the test agent `name` once on `prompt`."""
-    runner = AgentRunner(AgentConfig(callable=f"{AGENTS}:{name}", **config))
-    return await runner.run(prompt or {"question": "2+2"}, BASE_URL, API_KEY)
+    async with agent_runner(name, **config) as runner:
+        return await runner.run(prompt or {"question": "2+2"}, BASE_URL, API_KEY)
 
 
 @dataclass
@@ -87,17 +97,27 @@ def open_files(pid: int | str = "self") -> set[str]:
     return files
 
 
-def agent_children() -> int:
-    """How many agent processes (rollout_svc.agent_child) this process has now."""
-    count = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except OSError:  # it ended while we looked
-            continue
-        count += int(fields[1]) == os.getpid() and b"rollout_svc.agent_child" in cmdline
-    return count
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def children(parent: int) -> list[int]:
+    """The pids of the processes whose parent is `parent` now."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):  # it ended while we looked
+            if parent_of(int(stat.name)) == parent:
+                pids.append(int(stat.name))
+    return pids
+
+
+def zygotes() -> list[int]:
+    """The pids of this process's agent fork servers (rollout_svc.agent_zygote)."""
+    return [
+        pid
+        for pid in children(os.getpid())
+        if b"rollout_svc.agent_zygote" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
 
 
 def test_config_takes_exactly_one_agent_and_names_a_bad_field():
@@ -147,11 +167,60 @@ async def test_an_agent_that_raises_is_a_system_failure_with_its_exception():
 
 
 async def test_an_agent_that_cannot_be_imported_raised():
-    runner = AgentRunner(AgentConfig(callable=f"{AGENTS}:no_such_agent"))
-    outcome = await runner.run({}, BASE_URL, API_KEY)
+    outcome = await run_agent("no_such_agent")
     assert outcome.failure is AgentFailure.RAISED
     assert "AttributeError" in outcome.error_message
     assert "no_such_agent" in outcome.error_message
+
+
+async def test_a_module_that_fails_to_import_raised_in_every_episode_of_one_zygote():
+    runner = AgentRunner(AgentConfig(callable="tests.rollout_svc.no_such_module:solve"))
+    try:
+        started = []
+        for _ in range(3):
+            outcome = await runner.run({}, BASE_URL, API_KEY)
+            assert outcome.failure is AgentFailure.RAISED
+            assert outcome.error_message == (
+                "the agent raised ModuleNotFoundError: "
+                "No module named 'tests.rollout_svc.no_such_module'"
+            )
+            assert "Traceback (most recent call last)" in outcome.stderr_tail
+            started += zygotes()
+        assert len(set(started)) == 1  # imported once, not restarted per episode
+    finally:
+        await runner.close()
+    assert zygotes() == []
+
+
+async def test_episodes_are_forks_of_one_zygote():
+    async with agent_runner("family", max_concurrent=4) as runner:
+        outcomes = await asyncio.gather(*(runner.run({}, BASE_URL, API_KEY) for _ in range(12)))
+        [zygote] = zygotes()
+    pids, parents = zip(*(outcome.answer.split() for outcome in outcomes), strict=True)
+    assert len(set(pids)) == 12
+    assert set(parents) == {str(zygote)}
+    assert zygotes() == []  # closed with its runner
+
+
+async def test_a_killed_zygote_crashes_its_episode_and_the_next_episode_gets_a_new_one(
+    beacon, tmp_path
+):
+    async with agent_runner("held", timeout_seconds=WAIT_SECONDS) as runner:
+        prompt = {"index": 0, "beacon": beacon.port, "times_dir": str(tmp_path)}
+        running = asyncio.create_task(runner.run(prompt, BASE_URL, API_KEY))
+        message, _ = await beacon.next()
+        episode = os.pidfd_open(message["pid"])
+        killed = parent_of(message["pid"])
+        os.kill(killed, signal.SIGKILL)
+        outcome = await running
+        assert outcome.failure is AgentFailure.CRASHED
+        assert outcome.error_message == "the agent's fork server died: it was killed by SIGKILL"
+        assert await exited(episode)  # its group was killed with it
+        running = asyncio.create_task(runner.run({**prompt, "index": 1}, BASE_URL, API_KEY))
+        message, writer = await beacon.next()
+        assert parent_of(message["pid"]) != killed
+        writer.write(b"go\n")
+        assert (await running).answer == "episode 1"
 
 
 async def test_an_agent_that_exits_non_zero_crashed():
@@ -200,6 +269,22 @@ async def test_a_timed_out_agent_is_killed_with_the_processes_it_started(beacon)
     assert [await exited(pidfd) for pidfd in pidfds] == [True, True]
 
 
+async def test_an_episode_forked_after_its_timeout_is_killed(tmp_path):
+    # Its timeout passes while the zygote still imports the module, before it forks.
+    (tmp_path / "slow_import.py").write_text(
+        "import time\ntime.sleep(2)\n\ndef solve(prompt, base_url, api_key):\n    time.sleep(3600)\n"
+    )
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    runner = AgentRunner(AgentConfig(callable="slow_import:solve", timeout_seconds=0.1, env=env))
+    try:
+        outcome = await runner.run({}, BASE_URL, API_KEY)
+        assert outcome.failure is AgentFailure.TIMED_OUT
+        [zygote] = zygotes()
+        assert children(zygote) == []  # killed once forked, and reaped
+    finally:
+        await runner.close()
+
+
 async def test_a_cancelled_run_kills_the_agent_and_the_processes_it_started(beacon):
     running = asyncio.create_task(run_agent("hangs", {"beacon": beacon.port}))
     message, _ = await beacon.next()
@@ -210,46 +295,46 @@ async def test_a_cancelled_run_kills_the_agent_and_the_processes_it_started(beac
     assert [await exited(pidfd) for pidfd in pidfds] == [True, True]
 
 
-async def test_a_process_that_left_the_group_holds_neither_the_run_nor_its_pipes(
-    beacon, monkeypatch
-):
-    monkeypatch.setattr(agent_process, "PIPE_DRAIN_SECONDS", 0.5)
+async def test_a_process_that_left_the_group_holds_up_neither_the_run_nor_the_runner(beacon):
     running = asyncio.create_task(
         run_agent("escapes", {"beacon": beacon.port}, timeout_seconds=WAIT_SECONDS)
     )
     message, _ = await beacon.next()
     escaped = os.pidfd_open(message["escaped_pid"])
     try:
-        held = {name for name in open_files(message["escaped_pid"]) if name.startswith("pipe:")}
-        assert held & open_files()  # the agent's stderr, read here and held by the escaped one
-        outcome = await running
+        outcome = await running  # the runner closed too
         assert outcome.answer == "returned while a process it started runs on"
-        assert not held & open_files()  # closed here all the same
         assert not await exited(os.dup(escaped), seconds=0)  # it escaped the group kill
+        held = open_files(message["escaped_pid"])
+        assert any(name.endswith(".stderr (deleted)") for name in held)  # the agent's output
+        assert not {name for name in held if name.startswith("pipe:")} & open_files()
     finally:
         signal.pidfd_send_signal(escaped, signal.SIGKILL)
         os.close(escaped)
 
 
 async def test_at_most_max_concurrent_agents_run_at_once(beacon, tmp_path):
-    runner = AgentRunner(AgentConfig(callable=f"{AGENTS}:held", max_concurrent=2))
-    runs = [
-        asyncio.create_task(
-            runner.run(
-                {"index": i, "beacon": beacon.port, "times_dir": str(tmp_path)}, BASE_URL, API_KEY
+    async with agent_runner("held", max_concurrent=2) as runner:
+        runs = [
+            asyncio.create_task(
+                runner.run(
+                    {"index": i, "beacon": beacon.port, "times_dir": str(tmp_path)},
+                    BASE_URL,
+                    API_KEY,
+                )
             )
-        )
-        for i in range(5)
-    ]
-    held: list[tuple[dict, asyncio.StreamWriter]] = []
-    for released in range(5):
-        while len(held) < min(2, 5 - released):
-            held.append(await beacon.next())
-        # Every agent the runner started has reported: the rest wait, not even started.
-        assert agent_children() == len(held)
-        message, writer = held.pop(0)
-        writer.write(b"go\n")
-        await runs[message["index"]]
+            for i in range(5)
+        ]
+        held: list[tuple[dict, asyncio.StreamWriter]] = []
+        for released in range(5):
+            while len(held) < min(2, 5 - released):
+                held.append(await beacon.next())
+            # Every agent the runner started has reported: the rest wait, not even forked.
+            [zygote] = zygotes()
+            assert len(children(zygote)) == len(held)
+            message, writer = held.pop(0)
+            writer.write(b"go\n")
+            await runs[message["index"]]
     outcomes = [run.result() for run in runs]
     assert [outcome.answer for outcome in outcomes] == [f"episode {i}" for i in range(5)]
     times = {
@@ -359,9 +444,10 @@ async def chat_server() -> AsyncIterator[str]:
 
 
 async def test_an_agent_calls_its_base_url_with_its_api_key(chat_server):
-    runner = AgentRunner(AgentConfig(callable=f"{AGENTS}:calls_http"))
-    outcome = await runner.run({"question": "2+2"}, f"{chat_server}/sessions/s7/v1", API_KEY)
+    async with agent_runner("calls_http") as runner:
+        url = f"{chat_server}/sessions/s7/v1"
+        outcome = await runner.run({"question": "2+2"}, url, API_KEY)
+        wrong_key = await runner.run({"question": "2+2"}, url, "other")
     assert (outcome.answer, outcome.failure) == ("session s7 heard 2+2", None)
-    wrong_key = await runner.run({"question": "2+2"}, f"{chat_server}/sessions/s7/v1", "other")
     assert wrong_key.failure is AgentFailure.RAISED
     assert "401 Unauthorized" in wrong_key.error_message
