@@ -41,10 +41,12 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
 import openai
+import psutil
 import smoke_mode
 from child_processes import served
 
@@ -63,12 +65,43 @@ TIMEOUT_SECONDS = 300.0
 @dataclass(frozen=True)
 class Timed:
     """One timed piece of work: its seconds and the model token ids of each generation in it;
-    for a concurrent round, the engine's busy seconds and prefill forwards in it too."""
+    then what `measured` adds: the engine's busy seconds and prefill forwards, and the CPU
+    seconds of the service's process and of this one (the client) during it."""
 
     seconds: float
     model_ids: list[list[int]]
+    # A gateway session of one call: its end, after the call (not in `seconds`).
+    end_seconds: float = 0.0
     engine_busy_seconds: float = 0.0
     prefill_forwards: float = 0.0
+    service_cpu_seconds: float = 0.0
+    client_cpu_seconds: float = 0.0
+
+
+class Meter:
+    """Reads the engine's counters (GetStats) and the service's and this process's CPU time
+    around a piece of work."""
+
+    def __init__(self, stub, service_pid: int) -> None:
+        self._stub = stub
+        self._service = psutil.Process(service_pid)
+
+    async def measured(self, work: Awaitable[Timed]) -> Timed:
+        before = await self._read()
+        run = await work
+        after = await self._read()
+        spent = {name: after[name] - before[name] for name in before}
+        return dataclasses.replace(run, **spent)
+
+    async def _read(self) -> dict[str, float]:
+        stats = await self._stub.GetStats(rollout_pb2.GetStatsRequest(), timeout=TIMEOUT_SECONDS)
+        service = self._service.cpu_times()
+        return {
+            "engine_busy_seconds": stats.metrics["busy_seconds"],
+            "prefill_forwards": stats.metrics["prefill_forwards"],
+            "service_cpu_seconds": service.user + service.system,
+            "client_cpu_seconds": time.process_time(),
+        }
 
 
 async def generate(stub, prompts: int, max_tokens: int) -> Timed:
@@ -109,10 +142,8 @@ class Gateway:
     url: str
     model: str
 
-    async def session(
-        self, http: httpx.AsyncClient, session_id: str, max_tokens: int
-    ) -> tuple[Timed, Timed]:
-        """One session of one call on `http`: (the completion call, the call and the end)."""
+    async def session(self, http: httpx.AsyncClient, session_id: str, max_tokens: int) -> Timed:
+        """One session of one call on `http`: the call's seconds, then its end's."""
         started = time.perf_counter()
         chat = openai.AsyncOpenAI(
             base_url=f"{self.url}/sessions/{session_id}/v1",
@@ -130,7 +161,7 @@ class Gateway:
         segments = ended.json()["segments"]
         model_ids = [i for s in segments if s["source"] == "model" for i in s["token_ids"]]
         assert reply.usage.completion_tokens == len(model_ids), (reply.usage, model_ids)
-        return Timed(called - started, [model_ids]), Timed(done - started, [model_ids])
+        return Timed(called - started, [model_ids], end_seconds=done - called)
 
     async def sessions(self, prefix: str, count: int, max_tokens: int) -> Timed:
         """`count` sessions at once, each a call and its end: the wall time of all of them."""
@@ -141,26 +172,22 @@ class Gateway:
                 *(self.session(http, f"{prefix}-{i}", max_tokens) for i, http in enumerate(https))
             )
             seconds = time.perf_counter() - started
-        return Timed(seconds, [ids for _, with_end in done for ids in with_end.model_ids])
+        return Timed(seconds, [ids for session in done for ids in session.model_ids])
 
 
-async def batch_one(stub, gateway: Gateway, args: argparse.Namespace) -> dict[str, list[Timed]]:
+async def batch_one(stub, gateway: Gateway, meter: Meter, args) -> dict[str, list[Timed]]:
     """Single calls of each path one after the other, alternating which goes first."""
-    timed: dict[str, list[Timed]] = {"generate": [], "gateway": [], "gateway_with_end": []}
+    timed: dict[str, list[Timed]] = {"generate": [], "gateway": []}
     for call in range(args.warmup + args.calls):
         async with http_client() as http:
-            generated = generate(stub, 1, args.max_tokens)
-            chatted = gateway.session(http, f"single-{call}", args.max_tokens)
-            if call % 2:
-                one_session = await chatted
-                generated = await generated
-            else:
-                generated = await generated
-                one_session = await chatted
-        if call >= args.warmup:
-            timed["generate"].append(generated)
-            timed["gateway"].append(one_session[0])
-            timed["gateway_with_end"].append(one_session[1])
+            works = {
+                "generate": generate(stub, 1, args.max_tokens),
+                "gateway": gateway.session(http, f"single-{call}", args.max_tokens),
+            }
+            for path in list(works)[:: 1 if call % 2 == 0 else -1]:
+                run = await meter.measured(works[path])
+                if call >= args.warmup:
+                    timed[path].append(run)
     return timed
 
 
@@ -172,7 +199,7 @@ async def generate_calls(stub, count: int, max_tokens: int) -> Timed:
     return Timed(seconds, [ids for call in done for ids in call.model_ids])
 
 
-async def concurrent(stub, gateway: Gateway, args: argparse.Namespace) -> dict[str, list[Timed]]:
+async def concurrent(stub, gateway: Gateway, meter: Meter, args) -> dict[str, list[Timed]]:
     """`--rounds` of each concurrent path, the order rotated each round."""
     paths = {
         "generate": lambda round_index: generate(stub, args.sessions, args.max_tokens),
@@ -185,22 +212,8 @@ async def concurrent(stub, gateway: Gateway, args: argparse.Namespace) -> dict[s
     for round_index in range(args.rounds):
         order = list(paths)[round_index % 3 :] + list(paths)[: round_index % 3]
         for path in order:
-            before = await engine_metrics(stub)
-            run = await paths[path](round_index)
-            after = await engine_metrics(stub)
-            timed[path].append(
-                dataclasses.replace(
-                    run,
-                    engine_busy_seconds=after["busy_seconds"] - before["busy_seconds"],
-                    prefill_forwards=after["prefill_forwards"] - before["prefill_forwards"],
-                )
-            )
+            timed[path].append(await meter.measured(paths[path](round_index)))
     return timed
-
-
-async def engine_metrics(stub) -> dict[str, float]:
-    reply = await stub.GetStats(rollout_pb2.GetStatsRequest(), timeout=TIMEOUT_SECONDS)
-    return dict(reply.metrics)
 
 
 def check_tokens(timed: dict[str, list[Timed]], max_tokens: int) -> int:
@@ -213,8 +226,8 @@ def check_tokens(timed: dict[str, list[Timed]], max_tokens: int) -> int:
     return len(sequences)
 
 
-def median_ms(runs: list[Timed]) -> float:
-    return 1000 * statistics.median(run.seconds for run in runs)
+def median(runs: list[Timed], value: Callable[[Timed], float]) -> float:
+    return statistics.median(value(run) for run in runs)
 
 
 def median_round(runs: list[Timed]) -> Timed:
@@ -243,7 +256,7 @@ async def main() -> None:
         env={**os.environ, "OMP_NUM_THREADS": str(args.torch_threads)},
     )
     async with (
-        rollout as (_, address),
+        rollout as (process, address),
         rpc.open_channel(ClientConfig(address=address)) as channel,
         http_client() as http,
     ):
@@ -251,55 +264,75 @@ async def main() -> None:
         model = (await http.get(f"{url}/v1/models")).json()["data"][0]["id"]
         gateway = Gateway(url, model)
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-        single = await batch_one(stub, gateway, args)
-        many = await concurrent(stub, gateway, args)
+        meter = Meter(stub, process.pid)
+        single = await batch_one(stub, gateway, meter, args)
+        many = await concurrent(stub, gateway, meter, args)
     report(args, single, many)
 
 
 def report(
     args: argparse.Namespace, single: dict[str, list[Timed]], many: dict[str, list[Timed]]
 ) -> None:
-    """The table, then the JSON headline as the last line."""
+    """Two tables, then the JSON headline as the last line."""
     distinct = check_tokens(single | {f"many_{k}": v for k, v in many.items()}, args.max_tokens)
-    batch1_ms = {path: median_ms(runs) for path, runs in single.items()}
-    rounds = {path: median_round(runs) for path, runs in many.items()}
-    calls_per_s = {path: args.sessions / run.seconds for path, run in rounds.items()}
     print(
         f"{args.max_tokens} tokens per generation (all of them), {distinct} distinct token "
-        f"sequence(s); batch 1: median of {args.calls} calls; {args.sessions} at once: the "
-        f"median of {args.rounds} rounds, with the engine's busy seconds and prefill forwards"
+        f"sequence(s). Batch 1, the median of {args.calls} calls (CPU: ms of the service's "
+        "process and of the client, this process):"
     )
+    batch1 = {
+        "Generate": (single["generate"], lambda run: run.seconds),
+        "gateway: completion call": (single["gateway"], lambda run: run.seconds),
+        "  + the session's end": (single["gateway"], lambda run: run.seconds + run.end_seconds),
+    }
+    batch1_ms = {name: 1000 * median(runs, value) for name, (runs, value) in batch1.items()}
+    print(f"{'path':<30} {'ms':>7} {'service CPU':>11} {'client CPU':>10}")
+    for name, (runs, _) in batch1.items():
+        service_ms = 1000 * median(runs, lambda run: run.service_cpu_seconds)
+        client_ms = 1000 * median(runs, lambda run: run.client_cpu_seconds)
+        cpu = f"{service_ms:>11.1f} {client_ms:>10.1f}" if name != "  + the session's end" else ""
+        print(f"{name:<30} {batch1_ms[name]:>7.1f} {cpu}")
     print(
-        f"{'path':<40} {'batch 1 ms':>10} {'calls/s':>8} {'tokens/s':>8} {'busy s':>7} {'fills':>5}"
+        f"{args.sessions} at once, the median of {args.rounds} rounds (the engine's busy seconds "
+        "and prefill forwards, CPU seconds of the service and of the client):"
     )
-    rows = [
-        ("Generate", "generate", "generate"),
-        (f"  {args.sessions} concurrent calls of 1 prompt", None, "generate_calls"),
-        ("gateway: completion call", "gateway", "gateway"),
-        ("  + the session's end", "gateway_with_end", None),
-    ]
-    for name, single_path, many_path in rows:
-        ms = f"{batch1_ms[single_path]:>10.1f}" if single_path else " " * 10
-        rates = ""
-        if many_path:
-            run = rounds[many_path]
-            rates = (
-                f" {calls_per_s[many_path]:>8.1f} {calls_per_s[many_path] * args.max_tokens:>8.0f}"
-                f" {run.engine_busy_seconds:>7.2f} {run.prefill_forwards:>5.0f}"
-            )
-        print(f"{name:<40} {ms}{rates}")
+    rounds = {path: median_round(runs) for path, runs in many.items()}
+    calls_per_s = {path: args.sessions / run.seconds for path, run in rounds.items()}
+    names = {
+        "generate": f"one Generate call of {args.sessions}",
+        "generate_calls": f"{args.sessions} Generate calls of 1",
+        "gateway": f"{args.sessions} gateway sessions",
+    }
+    print(
+        f"{'path':<30} {'calls/s':>7} {'tokens/s':>8} {'busy s':>6} {'fills':>5} "
+        f"{'service CPU':>11} {'client CPU':>10}"
+    )
+    for path, run in rounds.items():
+        print(
+            f"{names[path]:<30} {calls_per_s[path]:>7.1f} {calls_per_s[path] * args.max_tokens:>8.0f}"
+            f" {run.engine_busy_seconds:>6.2f} {run.prefill_forwards:>5.0f}"
+            f" {run.service_cpu_seconds:>11.2f} {run.client_cpu_seconds:>10.2f}"
+        )
+    generate_ms, gateway_ms = batch1_ms["Generate"], batch1_ms["gateway: completion call"]
+    with_end_ms = batch1_ms["  + the session's end"]
     figures = {
-        "batch1_ratio": batch1_ms["gateway"] / batch1_ms["generate"],
-        "batch1_with_end_ratio": batch1_ms["gateway_with_end"] / batch1_ms["generate"],
-        "batch1_gateway_ms": batch1_ms["gateway"],
-        "batch1_gateway_with_end_ms": batch1_ms["gateway_with_end"],
-        "batch1_generate_ms": batch1_ms["generate"],
+        "batch1_ratio": gateway_ms / generate_ms,
+        "batch1_with_end_ratio": with_end_ms / generate_ms,
+        "batch1_gateway_ms": gateway_ms,
+        "batch1_gateway_with_end_ms": with_end_ms,
+        "batch1_generate_ms": generate_ms,
+        **{
+            f"batch1_{path}_service_cpu_ms": 1000 * median(runs, lambda r: r.service_cpu_seconds)
+            for path, runs in single.items()
+        },
         "concurrent_throughput_ratio": calls_per_s["gateway"] / calls_per_s["generate"],
         "vs_concurrent_calls_ratio": calls_per_s["gateway"] / calls_per_s["generate_calls"],
         **{f"{path}_calls_per_s": rate for path, rate in calls_per_s.items()},
         **{f"{path}_tokens_per_s": rate * args.max_tokens for path, rate in calls_per_s.items()},
         **{f"{path}_engine_busy_s": run.engine_busy_seconds for path, run in rounds.items()},
         **{f"{path}_prefill_forwards": run.prefill_forwards for path, run in rounds.items()},
+        **{f"{path}_service_cpu_s": run.service_cpu_seconds for path, run in rounds.items()},
+        **{f"{path}_client_cpu_s": run.client_cpu_seconds for path, run in rounds.items()},
         "sessions": args.sessions,
         "max_tokens": args.max_tokens,
         "distinct_token_sequences": distinct,
