@@ -121,7 +121,11 @@ async def serve_gateway(config: GatewayConfig, sessions: ChatSessions) -> AsyncI
     yields its base URL, `http://HOST:PORT`, and stops it on exit. Raises OSError when the
     address cannot be bound."""
     app = build_app(sessions, config.max_request_bytes)
-    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
+    # IPPROTO_TCP named, not left 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
+    # sockets that say they are TCP, and with it on every reply's second write waited ~40 ms
+    # for the client's delayed ACK (benchmarks/gateway.py).
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((config.host.strip("[]"), config.port))
     sock.listen()
