@@ -239,7 +239,7 @@ async def main() -> None:
     parser.add_argument("--calls", type=int, default=30, help="timed single calls of each path")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls of each path first")
     parser.add_argument("--sessions", type=int, default=64, help="concurrent gateway sessions")
-    parser.add_argument("--rounds", type=int, default=3, help="concurrent rounds of each path")
+    parser.add_argument("--rounds", type=int, default=5, help="concurrent rounds of each path")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens of every generation")
     parser.add_argument("--torch-threads", type=int, default=1, help="the service's torch threads")
     smoke = {"calls": 2, "warmup": 1, "sessions": 4, "rounds": 1, "max_tokens": 8}
