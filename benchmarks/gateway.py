@@ -25,6 +25,10 @@ generation both ways: a user message after which the model, greedy, writes past
     with the engine's busy seconds and prefill forwards in it (GetStats): requests that
     arrive one by one join the running batch one by one, in more prefills and decode steps.
 
+Around every call and round the CPU seconds of the service's process (psutil, in 10 ms ticks)
+and of this one (the client) are read too: on two cores both share, the client's CPU is time
+the service does not get, and CPU seconds vary less than wall time on a loaded machine.
+
 The service runs torch on `--torch-threads` (OMP_NUM_THREADS): with two threads on two cores
 beside this process, rounds took 0.3 to 14 s.
 
