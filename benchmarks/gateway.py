@@ -69,7 +69,7 @@ TIMEOUT_SECONDS = 300.0
 @dataclass(frozen=True)
 class Timed:
     """One timed piece of work: its seconds and the model token ids of each generation in it;
-    then what `measured` adds: the engine's busy seconds and prefill forwards, and the CPU
+    then what `Meter.measured` adds: the engine's busy seconds and prefill forwards, and the CPU
     seconds of the service's process and of this one (the client) during it."""
 
     seconds: float
@@ -214,7 +214,8 @@ async def concurrent(stub, gateway: Gateway, meter: Meter, args) -> dict[str, li
     }
     timed: dict[str, list[Timed]] = {path: [] for path in paths}
     for round_index in range(args.rounds):
-        order = list(paths)[round_index % 3 :] + list(paths)[: round_index % 3]
+        turn = round_index % len(paths)
+        order = list(paths)[turn:] + list(paths)[:turn]
         for path in order:
             timed[path].append(await meter.measured(paths[path](round_index)))
     return timed
@@ -254,8 +255,6 @@ async def main() -> None:
         "rollout.gateway.enabled=true",
         f"rollout.tool_service.address={NOWHERE}",
         f"rollout.reward_service.address={NOWHERE}",
-        f"rollout.max_concurrent_trajectories={max(args.sessions, 1)}",
-        f"rollout.engine_options.max_batch_size={max(args.sessions, 1)}",
         printed_before=printed,
         env={**os.environ, "OMP_NUM_THREADS": str(args.torch_threads)},
     )
