@@ -115,20 +115,31 @@ def build_app(sessions: ChatSessions, max_request_bytes: int) -> Starlette:
     )
 
 
+def listening_socket(config: GatewayConfig) -> socket.socket:
+    """The gateway's socket, bound to `config.host:config.port` and listening. Raises OSError
+    when the address cannot be bound."""
+    # IPPROTO_TCP named, not left 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
+    # sockets that say they are TCP, and with it on every reply's second write waited ~40 ms
+    # for the client's delayed ACK (benchmarks/gateway.py).
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((config.host.strip("[]"), config.port))
+        sock.listen()
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 @contextlib.asynccontextmanager
 async def serve_gateway(config: GatewayConfig, sessions: ChatSessions) -> AsyncIterator[str]:
     """Serves the gateway in this event loop on `config.host:config.port` (0: a free port);
     yields its base URL, `http://HOST:PORT`, and stops it on exit. Raises OSError when the
     address cannot be bound."""
     app = build_app(sessions, config.max_request_bytes)
-    # IPPROTO_TCP named, not left 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
-    # sockets that say they are TCP, and with it on every reply's second write waited ~40 ms
-    # for the client's delayed ACK (benchmarks/gateway.py).
-    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((config.host.strip("[]"), config.port))
-    sock.listen()
+    sock = listening_socket(config)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
