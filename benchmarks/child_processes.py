@@ -38,17 +38,24 @@ async def async_child(
 
 @contextlib.asynccontextmanager
 async def served(
-    name: str, *overrides: str
+    name: str,
+    *overrides: str,
+    printed_before: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
-    """`turnrl serve name` on a free port with `overrides`; yields it and its address."""
+    """`turnrl serve name` on a free port with `overrides`, in `env` (None: this process's);
+    yields it and its address. The lines it prints before its `serving` line (a gateway's
+    URL) are added to `printed_before`."""
     command = [sys.executable, "-m", "turnrl_cli", "--log-level", "WARNING", "serve", name]
     async with async_child(
-        *command, "--port", "0", *overrides, stdout=asyncio.subprocess.PIPE
+        *command, "--port", "0", *overrides, stdout=asyncio.subprocess.PIPE, env=env
     ) as process:
         while line := (await process.stdout.readline()).decode():
             if line.startswith("serving "):
                 yield process, line.split()[-1]
                 return
+            if printed_before is not None:
+                printed_before.append(line.rstrip("\n"))
         raise RuntimeError(f"{name} service exited with code {await process.wait()} at start-up")
 
 

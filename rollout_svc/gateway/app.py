@@ -128,6 +128,24 @@ def build_app(sessions: ChatSessions, max_request_bytes: int, token: str | None)
     )
 
 
+def listening_socket(config: GatewayConfig) -> socket.socket:
+    """The gateway's socket, bound to `config.host:config.port` and listening. Raises OSError
+    when the address cannot be bound."""
+    # IPPROTO_TCP named, not left 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
+    # sockets that say they are TCP, and with it on every reply's second write waited ~40 ms
+    # for the client's delayed ACK (benchmarks/gateway.py).
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((config.host.strip("[]"), config.port))
+        sock.listen()
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 @contextlib.asynccontextmanager
 async def serve_gateway(
     config: GatewayConfig, server: ServerConfig, sessions: ChatSessions
@@ -161,10 +179,7 @@ async def serve_gateway(
         except OSError as e:  # ssl.SSLError included
             files = [str(f) for f in (tls.cert_file, tls.key_file, tls.client_ca_file) if f]
             raise ConfigError(f"server.tls: the gateway cannot load {files}: {e}") from e
-    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((config.host.strip("[]"), config.port))
-    sock.listen()
+    sock = listening_socket(config)
     gateway = uvicorn.Server(uvicorn_config)
     task = asyncio.create_task(gateway.serve(sockets=[sock]))
     host = f"[{config.host}]" if ":" in config.host else config.host

@@ -13,6 +13,13 @@ BENCHMARKS = REPO_ROOT / "benchmarks"
 # Each script, and headline keys its last line must hold.
 HEADLINE_KEYS = {
     "async_vs_sync": {"speedup_eta4", "efficiency_vs_bound", "push_stall_vs_raw"},
+    "gateway": {
+        "batch1_ratio",
+        "batch1_gateway_ms",
+        "batch1_generate_ms",
+        "concurrent_throughput_ratio",
+        "sessions",
+    },
     "reward_throughput": {"gsm8k_items_per_s", "math_items_per_s"},
     "rollout_async_vs_batch": {"speedup", "efficiency_vs_bound", "no_tool_wait_seconds"},
     "router_scale": {"even_scaling", "uneven_best_over_wall", "overhead_ms"},

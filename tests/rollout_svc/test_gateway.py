@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import json
 import signal
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout_svc.config import GatewayConfig, RolloutConfig
-from rollout_svc.gateway.app import serve_gateway
+from rollout_svc.gateway.app import listening_socket, serve_gateway
 from rollout_svc.server import RolloutServicer
 from rollout_svc.service import RolloutService
 from tests.conftest import STARTUP_TIMEOUT_SECONDS, kill_tree, serve_in_process, spawn_turnrl
@@ -430,3 +431,26 @@ async def test_turnrl_serve_starts_the_gateway_beside_grpc(tiny_model_dir):
         if process.returncode is None:
             kill_tree(process.pid)
         await process.communicate()
+
+
+async def test_gateway_connections_send_without_waiting_for_acks():
+    """asyncio sets TCP_NODELAY on the gateway's connections (it does only on a socket that
+    names IPPROTO_TCP): with Nagle's algorithm on, each reply's second write waited ~40 ms for
+    the client's delayed ACK."""
+    sock = listening_socket(GatewayConfig(enabled=True, port=0))
+    loop = asyncio.get_running_loop()
+    accepted: asyncio.Future[asyncio.BaseTransport] = loop.create_future()
+
+    class Accepting(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            accepted.set_result(transport)
+
+    server = await loop.create_server(Accepting, sock=sock)
+    try:
+        _, writer = await asyncio.open_connection(*sock.getsockname())
+        connection = (await accepted).get_extra_info("socket")
+        assert connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        writer.close()
+    finally:
+        server.close()
+        await server.wait_closed()
