@@ -1,4 +1,5 @@
-"""`make test-learning`: the demo and the two CPU recipes, each run by `turnrl run` for its
+"""`make test-learning`: the demo, the two CPU recipes and the two agents written elsewhere
+(examples/openai_agent, examples/langgraph_agent), each run by `turnrl run` for its
 configured steps through the four services, must end within 0.05 of the held-out accuracy the
 README states for it. Left out of `make test` (marked `learning`); `.ci/run` runs it after."""
 
@@ -16,6 +17,8 @@ STATED_FINAL_ACCURACY = {
     "calculator": (1.0, "after 5 GRPO steps it calls the calculator on every one\n(1.000"),
     "search": (0.898, "0.000 to\n0.898 for search"),
     "code": (0.945, "held-out accuracy 0.000 to 0.945 for code"),
+    "openai_agent": (1.0, "0.000 to 1.000 in 5 steps for the `openai` SDK agent"),
+    "langgraph_agent": (1.0, "0.000 to 1.000 in 5 steps for the LangGraph agent"),
 }
 TOLERANCE = 0.05
 
