@@ -134,8 +134,8 @@ class ChatSessions:
 
     async def close(self, session_id: str) -> Trajectory | None:
         """Ends an episode's session however its agent ended: a request still running (the
-        agent was killed mid-request) is aborted and waited for, then the session ends as
-        `end` does. None when no request of it succeeded (the session is dropped)."""
+        agent was killed mid-request) is aborted and waited for, then the session ends. None
+        when no request of it succeeded (the session is dropped)."""
         session = self._sessions[session_id]
         session.closing = True
         if session.engine_request_id is not None:
@@ -143,9 +143,9 @@ class ChatSessions:
         await session.idle.wait()
         if session.state.tokens is None:
             del self._sessions[session_id]
-            self._ended[session_id] = None
+            self._remember_ended(session_id)
             return None
-        return await self.end(session_id)
+        return await self._finish(session)
 
     async def prepare(self, session: "Session", request: ChatCompletionRequest) -> "PendingTurn":
         """The request's messages checked against the session (the prefix rule) and
@@ -235,20 +235,32 @@ class ChatSessions:
 
     async def end(self, session_id: str) -> Trajectory:
         """Ends a session and returns its trajectory. NotFoundError for an unknown session;
-        FailedPreconditionError while a request of it runs or after it ended."""
+        FailedPreconditionError while a request of it runs, after it ended, or for an
+        episode's session (the rollout service ends those: `close`)."""
         check_session_id(session_id)
         self._check_not_ended(session_id)
         session = self._sessions.get(session_id)
         if session is None:
             raise NotFoundError(f"session {session_id!r} is unknown; none of its requests ran")
+        if session.episode is not None:
+            raise FailedPreconditionError(
+                f"session {session_id!r} is an episode's: it ends when the agent returns"
+            )
         if session.busy:
             raise FailedPreconditionError(f"session {session_id!r} has a request running")
-        del self._sessions[session_id]
+        return await self._finish(session)
+
+    async def _finish(self, session: Session) -> Trajectory:
+        """Forgets the session (keeping its id as ended) and frees its engine cache."""
+        del self._sessions[session.session_id]
+        self._remember_ended(session.session_id)
+        await self._engine.end_session(engine_session(session.session_id))
+        return session_trajectory(session)
+
+    def _remember_ended(self, session_id: str) -> None:
         self._ended[session_id] = None
         if len(self._ended) > ENDED_SESSIONS_KEPT:
             self._ended.popitem(last=False)
-        await self._engine.end_session(engine_session(session_id))
-        return session_trajectory(session)
 
     def _check_not_ended(self, session_id: str) -> None:
         if session_id in self._ended:

@@ -163,3 +163,13 @@ def asks_then_hangs(prompt: dict, base_url: str, api_key: str) -> str:
         send({"pid": os.getpid()})
         time.sleep(3600)
     return "unreachable"
+
+
+def ends_its_session(prompt: dict, base_url: str, api_key: str) -> dict:
+    """One request, then tries to end its session itself; returns the HTTP status as reward."""
+    import httpx
+
+    client, model = _chat(base_url, api_key)
+    client.chat.completions.create(model=model, messages=prompt["messages"], max_tokens=8)
+    ended = httpx.post(f"{base_url.removesuffix('/v1')}/end", timeout=30)
+    return {"reward": ended.status_code}

@@ -136,3 +136,11 @@ async def test_an_aborted_call_kills_its_agents_and_keeps_their_tokens(tiny_mode
     assert trajectory.finish_reason is FinishReason.ABORTED
     assert trajectory.trajectory_id == "p0/0" and any(trajectory.loss_mask)
     assert await exited(pidfd)
+
+
+async def test_an_episodes_session_is_ended_by_the_service_not_the_agent(tiny_model_dir):
+    async with agent_rollout(tiny_model_dir, agent_named("ends_its_session")) as service:
+        limits = service.limits(0, 0, 0, 0)
+        [trajectory] = await collect(service, prompt_specs(1), 1, GREEDY, limits)
+    assert trajectory.reward.score == 409  # FailedPrecondition: the service ends it
+    assert trajectory.finish_reason is FinishReason.MAX_NEW_TOKENS and any(trajectory.loss_mask)
