@@ -155,6 +155,7 @@ class AgentEpisodes:
         )
         trajectory.finish_reason = FinishReason.ERROR
         trajectory.error_message = f"{kind}: {message}"
+        trajectory.metrics["agent_failed"] = 1.0  # the trainer's `infra_failed`: counted apart
         return trajectory
 
 

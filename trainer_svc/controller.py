@@ -301,7 +301,8 @@ class Controller(RunLoop):
         if not usable:
             raise RuntimeError(
                 f"held-out evaluation at step {self.step}: every trajectory hit a tool or reward "
-                "call that could not run; check the tool and reward services"
+                "call that could not run, or its agent failed; check the tool and reward "
+                "services (and rollout.agent: the rollout service's log names each failure)"
             )
         measured = rollout_metrics(usable)
         metrics = {

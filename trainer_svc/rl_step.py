@@ -133,11 +133,17 @@ def trainable(trajectory: Trajectory) -> bool:
 
 def infra_failed(trajectory: Trajectory) -> bool:
     """Whether a service, not the model, decided the outcome: the scorer failed (the reward is
-    its configured default) or a tool call could not be run by the tool service (the
-    "tool_infra_errors" metric). Such a reward says nothing about the policy; it stays out of
-    the loss and of its group's statistics."""
+    its configured default), a tool call could not be run by the tool service (the
+    "tool_infra_errors" metric), or the user's agent failed its episode (the "agent_failed"
+    metric: rollout_svc/agent_episodes.py; it has no reward). Such an outcome says nothing about
+    the policy; it stays out of the loss and of its group's statistics."""
     reward_failed = trajectory.reward is not None and trajectory.reward.error
-    return reward_failed or trajectory.metrics.get("tool_infra_errors", 0) > 0
+    metrics = trajectory.metrics
+    return (
+        reward_failed
+        or metrics.get("tool_infra_errors", 0) > 0
+        or metrics.get("agent_failed", 0) > 0
+    )
 
 
 def keep_groups_with_signal(trajectories: list[Trajectory]) -> list:

@@ -20,6 +20,7 @@ from rollout_svc.service import RolloutService
 from tests.in_process_services import reward_service_address
 from tests.rollout_svc.test_agent_runner import beacon, exited  # noqa: F401 (a fixture)
 from tests.rollout_svc.test_rollout_core import collect, prompt_specs, rollout
+from trainer_svc.rl_step import infra_failed
 from turnrl.config import ServerConfig
 from turnrl.failures import AgentFailure
 from turnrl.trajectory import FinishReason, SegmentSource
@@ -108,6 +109,7 @@ async def test_an_agent_the_system_failed_is_an_error_counted_by_kind(tiny_model
     assert trajectory.finish_reason is FinishReason.ERROR
     assert trajectory.error_message.startswith(f"{kind}: ")
     assert trajectory.reward is None and not trajectory.segments
+    assert infra_failed(trajectory)  # the trainer counts it apart, in training and evaluation
     assert stats[kind] == 1.0
 
 
