@@ -23,7 +23,9 @@ demo: $(STAMP)
 	$(VENV)/bin/turnrl run --config examples/calculator/config.yaml \
 	  trainer.run_name=calculator-$$(date +%Y%m%d-%H%M%S)
 
+# scripts/setup_browser.sh: headless Chromium for the report page's test, installed when missing.
 test: $(STAMP)
+	bash scripts/setup_browser.sh
 	$(PY) -m pytest
 
 # The demo and the two CPU recipes for their configured steps: each must end within 0.05 of the

@@ -134,7 +134,7 @@ def project_config(args: argparse.Namespace, output_dir: Path, delayed: bool) ->
         eval_every=0,
         checkpoint_every=0,
         output_dir=str(output_dir),
-        wandb_mode="disabled",
+        loggers=[],
     )
     trainer["data"]["generated_eval_size"] = args.eval_prompts
     trainer["rollout"].update(prompts_per_step=args.prompts, samples_per_prompt=args.samples)

@@ -4,6 +4,7 @@ rollout), so that both modes run through the same RolloutService."""
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from rollout_svc.engines.base import Engine, GenerateOutput, SamplingParams
 
@@ -18,13 +19,21 @@ class ClockedEngine:
         self.busy_seconds = 0.0
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, request_id: str, session_id: str = ""
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str,
+        session_id: str = "",
+        *,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerateOutput:
         if not self._in_flight:
             self._busy_since = time.perf_counter()
         self._in_flight += 1
         try:
-            return await self._engine.generate(input_ids, sampling, request_id, session_id)
+            return await self._engine.generate(
+                input_ids, sampling, request_id, session_id, on_tokens=on_tokens
+            )
         finally:
             self._in_flight -= 1
             if not self._in_flight:
@@ -77,10 +86,18 @@ class BatchLevelEngine(ClockedEngine):
         self._lockstep = Lockstep(trajectories)
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, request_id: str, session_id: str = ""
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str,
+        session_id: str = "",
+        *,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerateOutput:
         await self._lockstep.wait()
-        output = await super().generate(input_ids, sampling, request_id, session_id)
+        output = await super().generate(
+            input_ids, sampling, request_id, session_id, on_tokens=on_tokens
+        )
         await self._lockstep.wait()
         return output
 

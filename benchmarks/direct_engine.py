@@ -15,7 +15,7 @@ import math
 import time
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout_svc.engines.base import Engine, SamplingParams
 from rollout_svc.engines.hf import HfEngine, HfEngineOptions
@@ -62,7 +62,9 @@ async def decode_speed(
     # No row may stop early in either, so both decode the same number of tokens.
     model.config.eos_token_id = model.generation_config.eos_token_id = None
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
-    engine = HfEngine(model, HfEngineOptions(max_batch_size=len(prompt_ids)), max_model_len)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    options = HfEngineOptions(max_batch_size=len(prompt_ids))
+    engine = HfEngine(model, tokenizer, options, max_model_len)
     engine_seconds = math.inf
     try:
         await engine.generate(prompt_ids[0], sampling, "warm-up")

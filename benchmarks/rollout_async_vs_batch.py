@@ -85,7 +85,7 @@ from tool_svc.tools.calculator import CalculatorOptions, CalculatorTool
 from turnrl import rpc
 from turnrl.calculator_data import TOOLS, ProblemSettings, generate_problems
 from turnrl.chat_tokens import ConversationTokens
-from turnrl.config import ClientConfig, ServerConfig
+from turnrl.config import ClientConfig, HttpJsonServerConfig
 from turnrl.trajectory import Trajectory
 from turnrl.v1 import tool_pb2, tool_pb2_grpc
 from turnrl_demo.settings import TinyModelSettings
@@ -142,7 +142,7 @@ class SlowCalculator(CalculatorTool):
 async def slow_tool_service() -> AsyncIterator[tuple[str, SlowCalculatorOptions]]:
     """The tool service on loopback, serving only the slow calculator, without a concurrency
     limit (the waits stand for remote work); yields its address and the tool's options."""
-    config = ToolConfig(server=ServerConfig(port=0), tools=[])
+    config = ToolConfig(server=HttpJsonServerConfig(port=0), tools=[])
     options = SlowCalculatorOptions()
     service = ToolService(
         config,

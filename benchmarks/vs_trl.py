@@ -186,7 +186,7 @@ def run_turnrl(task: str, args: argparse.Namespace, folder: Path) -> dict[str, A
         steps=args.steps,
         eval_every=0,
         checkpoint_every=0,
-        wandb_mode="disabled",
+        loggers=[],
     )
     trainer["data"] = {"train_files": [str(data)], "shuffle": False}
     trainer["rollout"].update(

@@ -1,23 +1,34 @@
 """The `reward:` section of a turnrl config: workers, per-item limits, plugins and judges."""
 
 from pathlib import Path
-from typing import Self
+from typing import Literal, Self
 
 from pydantic import Field, model_validator
 
 from reward_svc.scorers.code import CodeScorerOptions
 from reward_svc.scorers.judge import JudgeOptions
-from turnrl.config import DEFAULT_PORTS, ServerConfig, StrictModel
+from turnrl.config import DEFAULT_PORTS, HttpJsonServerConfig, StrictModel
 
 
 class PluginEntry(StrictModel):
-    """A user scorer (verl's `custom_reward_function`): a function `score(request) -> Score`
-    in a Python file or an importable module, serving the listed data sources."""
+    """A user scorer (verl's `custom_reward_function`) in a Python file or an importable module,
+    serving the listed data sources: a function `score(request) -> Score`, or a verl reward
+    function run unchanged."""
 
     data_sources: list[str] = Field(min_length=1, description="data_source values it scores.")
     path: Path | None = Field(default=None, description="A Python file holding the function.")
     module: str | None = Field(default=None, description="An importable module holding it.")
     function: str = Field(default="compute_score", description="The function's name.")
+    # Said, not guessed from parameter names: a `(*args, **kwargs)` wrapper or a renamed
+    # parameter would be guessed wrong, and a stated kind lets start-up check the function
+    # against it and say which kind the function looks like instead.
+    signature: Literal["turnrl", "verl"] = Field(
+        default="turnrl",
+        description="How the function is called: 'turnrl', `score(request: ScoringRequest) "
+        "-> Score`; 'verl', verl's `compute_score(data_source, solution_str, ground_truth, "
+        "extra_info=None)` returning a number or a dict with a 'score' key (its other keys "
+        "become the extras).",
+    )
 
     @model_validator(mode="after")
     def _one_location(self) -> Self:
@@ -43,8 +54,8 @@ class CompositeEntry(StrictModel):
 class RewardConfig(StrictModel):
     """Settings of the reward service."""
 
-    server: ServerConfig = Field(
-        default_factory=lambda: ServerConfig(port=DEFAULT_PORTS["reward"]),
+    server: HttpJsonServerConfig = Field(
+        default_factory=lambda: HttpJsonServerConfig(port=DEFAULT_PORTS["reward"]),
         description="Where and how the reward service listens.",
     )
     replicas: int = Field(

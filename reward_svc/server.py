@@ -3,6 +3,7 @@
 Errors are raised as `turnrl.errors` exceptions and mapped to status codes by `turnrl.rpc`.
 """
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Sequence
 
@@ -14,6 +15,8 @@ from reward_svc.service import RewardService, ScoringResult
 from turnrl import rpc, service_main
 from turnrl.errors import InvalidArgumentError
 from turnrl.messages import message_to_dict
+from turnrl.rpc.http_json import serve_http_json
+from turnrl.trajectory import TurnReward, TurnRewardSource
 from turnrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
 
@@ -52,16 +55,25 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
 
 async def serve(config: RewardConfig) -> None:
-    """Starts the scorer workers, then serves the reward service until SIGTERM or SIGINT."""
+    """Starts the scorer workers, then serves the reward service until SIGTERM or SIGINT, and
+    its methods as JSON over HTTP beside it with `server.http_port` (turnrl.rpc.http_json)."""
     service = await RewardService.create(config)
+    servicer = RewardServicer(service)
+    descriptor = reward_pb2.DESCRIPTOR.services_by_name["RewardService"]
     try:
-        await rpc.serve(
-            config.server,
-            reward_pb2.DESCRIPTOR.services_by_name["RewardService"],
-            lambda server: reward_pb2_grpc.add_RewardServiceServicer_to_server(
-                RewardServicer(service), server
-            ),
-        )
+        async with contextlib.AsyncExitStack() as http_json:
+            if config.server.http_port is not None:
+                await http_json.enter_async_context(
+                    serve_http_json(config.server, descriptor, servicer)
+                )
+            await rpc.serve(
+                config.server,
+                descriptor,
+                lambda server: reward_pb2_grpc.add_RewardServiceServicer_to_server(
+                    servicer, server
+                ),
+                metrics=service.metrics.registry,
+            )
     finally:
         await service.close()
 
@@ -104,6 +116,12 @@ def _result_proto(result: ScoringResult) -> reward_pb2.ScoringResult:
             # Only the system's failures: the model's are the reward it earned.
             error=result.system_failed,
             error_message=result.score.extras["error"] if result.system_failed else "",
+            turn_rewards=[
+                TurnReward(
+                    int(turn), float(value), TurnRewardSource.SCORER, result.scorer
+                ).to_proto()
+                for turn, value in sorted(result.score.turn_rewards.items())
+            ],
         ),
         scorer=result.scorer,
         elapsed_seconds=result.elapsed_seconds,

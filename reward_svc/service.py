@@ -15,12 +15,15 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
+import numbers
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
 from reward_svc.config import RewardConfig
+from reward_svc.metrics import RewardMetrics
 from reward_svc.pool import ScorerFailedError, ScorerPool
 from reward_svc.scorers import RULE_SCORERS, SCORERS
 from reward_svc.scorers.base import Score, ScorerRef, ScorerUnavailableError, ScoringRequest
@@ -73,16 +76,24 @@ class ScoringResult:
 class RewardService:
     """Scores items. Build with `await RewardService.create(config)`."""
 
-    def __init__(self, config: RewardConfig, routes: dict[str, Route], pool: ScorerPool) -> None:
+    def __init__(
+        self,
+        config: RewardConfig,
+        routes: dict[str, Route],
+        pool: ScorerPool,
+        metrics: RewardMetrics,
+    ) -> None:
         self._config = config
         self._routes = routes
         self._pool = pool
         self._in_flight = asyncio.Semaphore(config.max_concurrency)
+        self.metrics = metrics
 
     @classmethod
     async def create(cls, config: RewardConfig) -> "RewardService":
         """Builds the routes (built-ins, then plugins and judges, which may override them) and
         starts the worker pool. Raises ConfigError for a plugin that cannot be loaded."""
+        metrics = RewardMetrics()
         routes = {
             source: Route(rule.name, rule.description, ref=rule.ref)
             for source, rule in SCORERS.items()
@@ -95,13 +106,15 @@ class RewardService:
                 function=plugin.function,
                 module=plugin.module,
                 path=str(plugin.path) if plugin.path else None,
+                signature=plugin.signature,
             )
             try:
                 ref.load()  # fail at start-up, not on the first item
             except Exception as e:
                 raise ConfigError(f"reward.plugins[{index}]: cannot load {ref}: {e}") from e
             for source in plugin.data_sources:
-                routes[source] = Route(f"plugin:{plugin.function}", "user scorer", ref=ref)
+                description = f"user scorer ({plugin.signature} signature)"
+                routes[source] = Route(f"plugin:{plugin.function}", description, ref=ref)
         for index, composite in enumerate(config.composites):
             unknown = [p.scorer for p in composite.parts if p.scorer not in RULE_SCORERS]
             if unknown:
@@ -113,17 +126,16 @@ class RewardService:
             for source in composite.data_sources:
                 routes[source] = Route(name, "weighted sum of rule scorers", parts=parts)
         for judge_options in config.judges:
-            judge = LlmJudge(judge_options)
+            name = f"judge:{judge_options.name}"
+            judge = LlmJudge(judge_options, metrics.judge_no_verdict.labels(scorer=name).inc)
             for source in judge_options.data_sources:
-                routes[source] = Route(
-                    f"judge:{judge_options.name}", "LLM judge", scorer=judge, generative=True
-                )
+                routes[source] = Route(name, "LLM judge", scorer=judge, generative=True)
         # Workers import every rule scorer and plugin when they start, not on a first item.
         preload = tuple(
             {rule.ref for rule in RULE_SCORERS.values()}
             | {route.ref for route in routes.values() if route.ref is not None}
         )
-        return cls(config, routes, ScorerPool(config.workers, preload))
+        return cls(config, routes, ScorerPool(config.workers, preload), metrics)
 
     def list_scorers(self) -> list[tuple[Route, list[str]]]:
         """Every scorer with the data sources routed to it, sorted by name."""
@@ -141,6 +153,14 @@ class RewardService:
 
     async def score(self, request: ScoringRequest) -> ScoringResult:
         """Scores one item; never raises for the item's sake (see the module docstring)."""
+        result = await self._score(request)
+        self.metrics.items.labels(scorer=result.scorer).inc()
+        self.metrics.latency.labels(scorer=result.scorer).observe(result.elapsed_seconds)
+        if result.failure is not None:
+            self.metrics.errors.labels(scorer=result.scorer, kind=result.failure.name).inc()
+        return result
+
+    async def _score(self, request: ScoringRequest) -> ScoringResult:
         started = time.monotonic()
         route = self._routes.get(request.data_source)
         if route is None:
@@ -154,7 +174,7 @@ class RewardService:
             return self._failure(route.name, ScoringFailure.RESPONSE_TOO_LARGE, message, started)
         async with self._in_flight:
             try:
-                score = await self._run(route, request)
+                score = _checked(await self._run(route, request))
             except ScorerUnavailableError as e:
                 return self._failure(route.name, ScoringFailure.SCORER_UNAVAILABLE, str(e), started)
             except Exception as e:
@@ -238,7 +258,7 @@ class RewardService:
         """Whose fault the scorer's `error` on `request` is: it grades the ground truth alone
         in the response's place; a scorer that cannot is broken (turnrl/failures.py)."""
         try:
-            await self._run(route, _ground_truth_alone(request))
+            _checked(await self._run(route, _ground_truth_alone(request)))
         except Exception as e:
             message = f"{error}; it failed on the ground truth alone too: {_described(e)}"
             log.warning(
@@ -252,6 +272,17 @@ class RewardService:
     ) -> ScoringResult:
         score = Score(self._config.error_score, {"error": message})
         return ScoringResult(score, name, time.monotonic() - started, failure)
+
+
+def _checked(score: Score) -> Score:
+    """`score`, once its turn rewards are {turn index: finite number}. Raises ValueError
+    naming the bad entry: the scorer failing on the item, as when it raises."""
+    for turn, value in score.turn_rewards.items():
+        if not isinstance(turn, numbers.Integral) or not 0 <= turn < 2**31:
+            raise ValueError(f"turn_rewards key {turn!r} is not a turn index (an int >= 0)")
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(f"turn_rewards[{turn}] is {value!r}; expected a finite number")
+    return score
 
 
 def _described(error: Exception) -> str:

@@ -107,7 +107,7 @@ class AgentEpisodes:
             trajectory.reward = common_pb2.Reward(score=outcome.reward)
             trajectory.reward.extras.update({"source": "agent"})
         elif enable_scoring:
-            trajectory.reward = await self._loop.score(prompt, trajectory, outcome.answer)
+            await self._loop.score(prompt, trajectory, outcome.answer)
         return trajectory
 
     async def abort(self, request_id: str) -> None:
@@ -133,7 +133,7 @@ class AgentEpisodes:
             group_id="",
             sample_index=0,
             messages=list(prompt.messages),
-            metrics=session_metrics([], 0),
+            metrics=session_metrics([], 0, 0),
         )
         trajectory.trajectory_id = f"{prompt.prompt_id}/{sample_index}"
         trajectory.group_id = prompt.prompt_id

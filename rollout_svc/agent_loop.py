@@ -14,10 +14,17 @@ each failure is follows turnrl/failures.py: a call the system failed (the tool s
 overloaded, the caller's deadline spent in its queue, a tool that could not start) is also
 counted in the trajectory's `tool_infra_errors` metric, and a scorer's failure the system
 caused comes back as `reward.error`; the trainer keeps both out of the loss.
+
+Rewards of single model turns go on the trajectory's `turn_rewards` as they are given: a tool
+call's `step_reward` on the turn that made the call, the interaction's score on the turn it
+answered, and the scorer's per-turn rewards (`Reward.turn_rewards`) once it has graded the
+trajectory. A scorer that rewards a turn the trajectory does not have is a broken scorer: the
+reward is marked `error` (the system's failure), and its turn rewards are left out.
 """
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -44,12 +51,21 @@ from turnrl.trajectory import (
     SegmentSource,
     Trajectory,
     TurnMetrics,
+    TurnReward,
+    TurnRewardSource,
     appended_segments,
     model_segments,
 )
 from turnrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, tool_pb2
 
 log = logging.getLogger(__name__)
+
+# The trajectory metric that sums each source's turn rewards.
+TURN_REWARD_SUMS = {
+    TurnRewardSource.TOOL: "tool_step_reward_sum",
+    TurnRewardSource.INTERACTION: "interaction_score_sum",
+    TurnRewardSource.SCORER: "scorer_turn_reward_sum",
+}
 
 
 @dataclass(frozen=True)
@@ -86,6 +102,17 @@ class RolloutLimits:
             self.max_model_len - length,
             self.max_response_length - response_length,
         )
+
+
+@dataclass(frozen=True)
+class ToolCallOutcome:
+    """How one tool call went: the observation text, whether it failed, whether it failed
+    because the tool service could not run it (not the model's doing), its step reward."""
+
+    text: str
+    failed: bool = False
+    infra_failed: bool = False
+    step_reward: float | None = None
 
 
 def turn_seed(seed: int | None, trajectory_id: str, turn: int) -> int | None:
@@ -151,15 +178,39 @@ class AgentLoop:
             await asyncio.shield(run.release())
         trajectory = run.finished()
         if enable_scoring:
-            trajectory.reward = await self.score(prompt, trajectory)
+            await self.score(prompt, trajectory)
         return trajectory
 
     async def score(
         self, prompt: PromptSpec, trajectory: Trajectory, answer: str | None = None
+    ) -> None:
+        """Sets `trajectory.reward` to the reward service's grade of it, whose response is
+        `answer` when given (an agent's final answer), else its last assistant message, and
+        appends the scorer's turn rewards. A reward service that cannot answer, or a scorer
+        that rewards a turn the trajectory does not have, gives a Reward with `error` set (the
+        trajectory is left out of the loss) and no turn rewards."""
+        reward = await self._grade(prompt, trajectory, answer)
+        turns = len(trajectory.model_turn_spans())
+        outside = [r for r in reward.turn_rewards if not 0 <= r.turn < turns]
+        if outside:
+            message = (
+                f"scorer {outside[0].name!r} rewarded turn {outside[0].turn}, but the "
+                f"trajectory has {turns} model turns"
+            )
+            log.warning("trajectory %s: %s", trajectory.trajectory_id, message)
+            reward = common_pb2.Reward(error=True, error_message=message)
+        trajectory.reward = reward
+        trajectory.turn_rewards += [
+            TurnReward(r.turn, r.value, TurnRewardSource.SCORER, r.name)
+            for r in reward.turn_rewards
+        ]
+        add_turn_reward_sums(trajectory)
+
+    async def _grade(
+        self, prompt: PromptSpec, trajectory: Trajectory, answer: str | None
     ) -> common_pb2.Reward:
-        """The reward service's grade of `trajectory`, whose response is `answer` when given
-        (an agent's final answer), else its last assistant message. A reward service that
-        cannot answer gives a Reward with `error` set (the trajectory is left out of the loss)."""
+        """The reward service's Reward for `trajectory`; one with `error` set when the service
+        cannot answer."""
         scoring_input = reward_pb2.ScoringInput(
             data_source=prompt.data_source,
             response_text=_final_text(trajectory.messages) if answer is None else answer,
@@ -207,18 +258,22 @@ class _Run:
             data_source=prompt.data_source,
         )
         # The ids a model turn may end on: the tokenizer's end of turn and the call's stops.
-        stop_ids = [loop.tokenizer.eos_token_id, *sampling.stop_token_ids]
+        # Only a special token can be where the template itself ends a turn; a stop id of
+        # ordinary text ("\n") ends the turn as a stop string does, and the template closes it.
+        special_ids = special_token_ids(loop.tokenizer)
+        self.text_stop_ids = frozenset(sampling.stop_token_ids) - special_ids
+        turn_end_ids = [i for i in sampling.stop_token_ids if i in special_ids]
         self.tokens = ConversationTokens(
             loop.tokenizer,
             loop.chat_template,
             tools or None,
             prompt.chat_template_kwargs or None,
-            stop_token_ids=stop_ids,
+            stop_token_ids=[loop.tokenizer.eos_token_id, *turn_end_ids],
         )
+        # A call to any other tool is the model's error: it was shown only these.
+        self.offered_tools = [tool["function"]["name"] for tool in tools]
         self.tool_sessions: dict[str, str] = {}
         self.interaction_state: Any = None
-        self.step_rewards: list[float] = []
-        self.interaction_scores: list[float] = []
         self.tool_infra_errors = 0  # calls the tool service could not run
 
     async def start(self) -> None:
@@ -311,7 +366,13 @@ class _Run:
         self.trajectory.segments += model_segments(
             output.output_ids, output.logprobs, output.policy_versions
         )
-        text = self.tokens.model_turn_text(output.output_ids)
+        # A stop id of ordinary text stays in the tokens and out of the message's text.
+        on_text_stop = (
+            output.finish_reason is EngineFinish.STOP
+            and output.output_ids[-1] in self.text_stop_ids
+        )
+        text_ids = output.output_ids[:-1] if on_text_stop else output.output_ids
+        text = self.tokens.model_turn_text(text_ids) if text_ids else ""
         # A turn cut short still joins the conversation, as it was written: its text is what
         # gets scored.
         if output.finish_reason in (EngineFinish.ABORT, EngineFinish.LENGTH):
@@ -320,11 +381,13 @@ class _Run:
             self.finish(FinishReason.ABORTED if aborted else self._length_reason())
             return ParsedTurn(content="", tool_calls=[], errors=[])
         parsed = self.loop.parser(text)
-        self._append_model_message(output.output_ids, parsed.assistant_message())
+        self._append_model_message(output.output_ids, parsed.assistant_message(), on_text_stop)
         return parsed
 
-    def _append_model_message(self, output_ids: list[int], message: dict[str, Any]) -> None:
-        self.tokens.append_model_turn(output_ids, message)
+    def _append_model_message(
+        self, output_ids: list[int], message: dict[str, Any], on_text_stop: bool = False
+    ) -> None:
+        self.tokens.append_model_turn(output_ids, message, ended_on_stop_string=on_text_stop)
         self.trajectory.messages.append(message)
 
     def _length_reason(self) -> FinishReason:
@@ -343,20 +406,30 @@ class _Run:
         metrics.tool_latency_seconds = time.monotonic() - started
         metrics.tool_calls = len(parsed.tool_calls) + len(parsed.errors)
         messages = []
-        for call, (text, failed, infra_failed) in zip(parsed.tool_calls, results, strict=True):
-            metrics.tool_errors += failed
-            self.tool_infra_errors += infra_failed
+        turn = len(self.trajectory.turns) - 1
+        for call, outcome in zip(parsed.tool_calls, results, strict=True):
+            metrics.tool_errors += outcome.failed
+            self.tool_infra_errors += outcome.infra_failed
+            if outcome.step_reward is not None:
+                reward = TurnReward(turn, outcome.step_reward, TurnRewardSource.TOOL, call.name)
+                self.trajectory.turn_rewards.append(reward)
             messages.append(
-                {"role": "tool", "content": text, "tool_call_id": call.id, "name": call.name}
+                {
+                    "role": "tool",
+                    "content": outcome.text,
+                    "tool_call_id": call.id,
+                    "name": call.name,
+                }
             )
         for error in parsed.errors:
             metrics.tool_errors += 1
             messages.append({"role": "tool", "content": f"Error: {error}"})
         return messages
 
-    async def _call_tool(self, name: str, arguments: str) -> tuple[str, bool, bool]:
-        """The observation text of one call, whether it failed, and whether it failed because
-        the tool service could not run it (not the model's doing)."""
+    async def _call_tool(self, name: str, arguments: str) -> ToolCallOutcome:
+        if name not in self.offered_tools:
+            offered = ", ".join(self.offered_tools) or "none"
+            return ToolCallOutcome(f"Error: no tool {name!r} here; tools: {offered}", failed=True)
         try:
             session_id = await self._tool_session(name)
             reply = await self.loop.tool_client.execute(
@@ -366,12 +439,15 @@ class _Run:
         except RpcError as e:
             text = f"Error: the tool service could not run {name!r}: {e.status}: {e.details}"
             rpc = e.method.rpartition("/")[2]  # CreateSession or Execute
-            return text, True, not tool_rpc_error_is_models(rpc, e.status)
+            return ToolCallOutcome(text, True, not tool_rpc_error_is_models(rpc, e.status))
         result = reply.result
-        if result.HasField("step_reward"):
-            self.step_rewards.append(result.step_reward)
         failed = result.HasField("error")
-        return result.text, failed, failed and result.error.kind not in MODEL_TOOL_ERROR_KINDS
+        return ToolCallOutcome(
+            result.text,
+            failed,
+            failed and result.error.kind not in MODEL_TOOL_ERROR_KINDS,
+            result.step_reward if result.HasField("step_reward") else None,
+        )
 
     async def _tool_session(self, name: str) -> str:
         """The session of a tool that has per-trajectory kwargs; "" for the others."""
@@ -392,9 +468,14 @@ class _Run:
         if not self.prompt.interaction_name:
             self.finish(FinishReason.STOP)
             return None
-        interaction = self.loop.interactions[self.prompt.interaction_name]
-        reply = await interaction.respond(self.interaction_state, self.trajectory.messages)
-        self.interaction_scores.append(reply.score)
+        name = self.prompt.interaction_name
+        reply = await self.loop.interactions[name].respond(
+            self.interaction_state, self.trajectory.messages
+        )
+        if reply.score is not None:  # of the model turn it answers, the last one
+            turn = len(self.trajectory.turns) - 1
+            reward = TurnReward(turn, reply.score, TurnRewardSource.INTERACTION, name)
+            self.trajectory.turn_rewards.append(reward)
         if reply.terminate:
             self.finish(FinishReason.INTERACTION_TERMINATED)
             return None
@@ -448,10 +529,23 @@ class _Run:
             "tool_calls": float(sum(t.tool_calls for t in turns)),
             "tool_errors": float(sum(t.tool_errors for t in turns)),
             "tool_infra_errors": float(self.tool_infra_errors),  # also counted in tool_errors
-            "tool_step_reward_sum": sum(self.step_rewards),
-            "interaction_score_sum": sum(self.interaction_scores),
         }
+        add_turn_reward_sums(trajectory)
         return trajectory
+
+
+def add_turn_reward_sums(trajectory: Trajectory) -> None:
+    """Sets the sum of each source's turn rewards in the trajectory's metrics."""
+    for source, name in TURN_REWARD_SUMS.items():
+        rewards = (r.value for r in trajectory.turn_rewards if r.source is source)
+        trajectory.metrics[name] = float(sum(rewards))
+
+
+@functools.cache
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of the tokenizer's special tokens (EOS, the chat markers), which no text encodes."""
+    added = (i for i, token in tokenizer.added_tokens_decoder.items() if token.special)
+    return frozenset([*tokenizer.all_special_ids, *added])
 
 
 def _final_text(messages: list[dict[str, Any]]) -> str:

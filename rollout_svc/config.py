@@ -55,6 +55,13 @@ class GatewayConfig(StrictModel):
         description="Sessions open at once (started, not ended), each holding its trajectory; "
         "a request that would open one more is refused with HTTP 429.",
     )
+    history_rewrites: Literal["new_part", "refuse"] = Field(
+        default="new_part",
+        description="A request whose messages do not continue its session's history (an agent "
+        "that summarised, truncated or edited it): new_part renders them as a new prompt, the "
+        "session's trajectory going on in a new part that the trainer trains as a sequence of "
+        "its own; refuse answers 400 naming the first message that differs.",
+    )
 
 
 class RolloutConfig(StrictModel):

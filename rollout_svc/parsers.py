@@ -225,3 +225,10 @@ PARSERS: dict[str, Callable[[str], ParsedTurn]] = {
     "hermes": parse_hermes,
     "llama3_json": parse_llama3_json,
 }
+
+# The text that may open a call, per parser. A turn's text before the first of these is its
+# content as it is being written, so the gateway streams it; what follows may be a call.
+CALL_OPENINGS: dict[Callable[[str], ParsedTurn], tuple[str, ...]] = {
+    parse_hermes: ("<tool_call>",),
+    parse_llama3_json: (_PYTHON_TAG, "{", "["),  # a brace anywhere: JSON calls need no tag
+}

@@ -12,13 +12,16 @@ from google.protobuf import duration_pb2
 from rollout_svc.agent_loop import PromptSpec
 from rollout_svc.config import RolloutConfig
 from rollout_svc.engines.base import SamplingParams
+from rollout_svc.gateway import GATEWAY_LINE
 from rollout_svc.gateway.app import serve_gateway
+from rollout_svc.metrics import rollout_metrics
 from rollout_svc.service import RolloutService
 from turnrl import rpc, service_main
 from turnrl.errors import InvalidArgumentError
 from turnrl.messages import message_to_dict
+from turnrl.metrics import loop_registry
 from turnrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from turnrl.weights import LAYOUTS, TensorMeta
+from turnrl.weights import LAYOUTS, LoraAdapter, TensorMeta
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +123,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 chunk = message.chunk
                 yield chunk.tensor_index, chunk.offset_bytes, chunk.data
 
+        header = first.header
         version, size = await self._service.push_weights(
-            _metas(first.header.tensors), chunks(), first.header.policy_version
+            _metas(header.tensors),
+            chunks(),
+            header.policy_version,
+            _adapter(header.lora_adapter) if header.HasField("lora_adapter") else None,
         )
         return rollout_pb2.PushWeightsResponse(policy_version=version, bytes_received=size)
 
@@ -138,6 +145,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             uptime=uptime,
             weight_sync_ranks=stats["weight_sync_ranks"],
             weights_incomplete_reason=stats["weights_incomplete_reason"],
+            loads_lora_adapters=stats["loads_lora_adapters"],
             metrics={k: float(v) for k, v in stats["metrics"].items()},
         )
 
@@ -156,7 +164,7 @@ async def serve(config: RolloutConfig) -> None:
                     serve_gateway(config.gateway, config.server, service.chat_sessions)
                 )
                 log.info("OpenAI gateway on %s", url)
-                print(f"gateway of RolloutService on {url}", flush=True)
+                print(f"{GATEWAY_LINE}{url}", flush=True)
                 if config.agent is not None:
                     # The openai client refuses an empty key, so one that opens nothing.
                     service.serve_agents(url, config.server.auth_token() or "no-key")
@@ -166,6 +174,7 @@ async def serve(config: RolloutConfig) -> None:
                 lambda server: rollout_pb2_grpc.add_RolloutServiceServicer_to_server(
                     RolloutServicer(service), server
                 ),
+                metrics=loop_registry(lambda: rollout_metrics(service.stats())),
                 watch=service.watch_engine,
             )
     finally:
@@ -221,5 +230,12 @@ def _sampling(sampling: common_pb2.SamplingParams, max_new_tokens: int) -> Sampl
 def _metas(specs) -> list[TensorMeta]:
     try:
         return [TensorMeta.from_proto(spec) for spec in specs]
+    except ValueError as e:
+        raise InvalidArgumentError(str(e)) from None
+
+
+def _adapter(adapter: rollout_pb2.LoraAdapter) -> LoraAdapter:
+    try:
+        return LoraAdapter.from_proto(adapter)
     except ValueError as e:
         raise InvalidArgumentError(str(e)) from None

@@ -47,7 +47,7 @@ from turnrl.errors import (
 from turnrl.replicas import ReplicaSet
 from turnrl.trajectory import Trajectory
 from turnrl.v1 import reward_pb2_grpc
-from turnrl.weights import TensorMeta
+from turnrl.weights import LoraAdapter, TensorMeta
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ class RolloutService:
             ),
             config.gateway.served_model_name or Path(config.model_path or "model").name,
             config.gateway.max_sessions,
+            new_part_on_rewrite=config.gateway.history_rewrites == "new_part",
         )
         self._engine = engine
         self._loop = loop
@@ -92,6 +93,9 @@ class RolloutService:
         self._receiver = WeightReceiver()
         self._started = time.monotonic()
         self._finished = 0
+        self._weight_pushes = 0
+        self._weight_push_bytes = 0
+        self._last_weight_push_stall_seconds = 0.0
 
     @classmethod
     async def create(cls, config: RolloutConfig) -> "RolloutService":
@@ -315,6 +319,7 @@ class RolloutService:
                 await self._engine.receive_weights(
                     group_name, metas, bucket_size_bytes, layout, policy_version
                 )
+            self._count_push(size)
             return self._engine.policy_version, size, time.monotonic() - started
         try:
             self._engine.check_weights(metas)
@@ -347,6 +352,7 @@ class RolloutService:
                 raise
         if refusal is not None:
             raise refusal
+        self._count_push(size)
         return self._engine.policy_version, size, time.monotonic() - started
 
     async def push_weights(
@@ -354,14 +360,26 @@ class RolloutService:
         metas: list[TensorMeta],
         chunks: AsyncIterator[tuple[int, int, bytes]],
         policy_version: int,
+        adapter: LoraAdapter | None = None,
     ) -> tuple[int, int]:
-        """Loads weights sent as chunks (the fallback path); (version, bytes)."""
+        """Loads weights sent as chunks (the fallback path), or with `adapter` the LoRA
+        adapter they are, in place of the engine's; (version, bytes). Raises
+        FailedPreconditionError for an adapter when the engine does not load adapters."""
         self._check_version(policy_version)
+        refusal = self._engine.lora_adapters_refusal
+        if adapter is not None and refusal:
+            raise FailedPreconditionError(
+                f"the {self._config.engine} engine does not load LoRA adapters: {refusal}"
+            )
         assembler = ChunkAssembler(metas)
         async for index, offset, data in chunks:
             assembler.add(index, offset, data)
         async with self._paused_engine():
-            await self._load(assembler.tensors(), policy_version)
+            if adapter is None:
+                await self._load(assembler.tensors(), policy_version)
+            else:
+                await self._engine.load_lora_adapter(adapter, assembler.tensors(), policy_version)
+        self._count_push(assembler.bytes_received)
         return self._engine.policy_version, assembler.bytes_received
 
     async def watch_engine(self) -> None:
@@ -374,6 +392,7 @@ class RolloutService:
             "engine": self._config.engine,
             "policy_version": self._engine.policy_version,
             "weights_incomplete_reason": "" if broken is None else str(broken_push_error(broken)),
+            "loads_lora_adapters": not self._engine.lora_adapters_refusal,
             "paused": self._paused,
             "running_trajectories": self.in_flight,
             "finished_trajectories": self._finished,
@@ -387,6 +406,9 @@ class RolloutService:
                 # were ridden out, counted.
                 "tool_unavailable_answers": self._loop.tool_client.unavailable_answers,
                 "reward_unavailable_answers": self._loop.reward_replicas.unavailable_answers,
+                "weight_pushes": self._weight_pushes,
+                "weight_push_bytes": self._weight_push_bytes,
+                "last_weight_push_stall_seconds": self._last_weight_push_stall_seconds,
                 # Episodes of the user's agent the system failed, per kind.
                 **(self._episodes.failures if self._episodes is not None else {}),
             },
@@ -415,10 +437,16 @@ class RolloutService:
                 f"{self._engine.policy_version}"
             )
 
+    def _count_push(self, nbytes: int) -> None:
+        self._weight_pushes += 1
+        self._weight_push_bytes += nbytes
+
     @contextlib.asynccontextmanager
     async def _paused_engine(self) -> AsyncIterator[None]:
-        """The engine paused for a weight load, unless a Pause call paused it already."""
+        """The engine paused for a weight load, unless a Pause call paused it already; how long
+        it stalled generation is kept for `stats`."""
         was_paused = self._paused
+        paused_at = time.monotonic()
         if not was_paused:
             await self._engine.pause()
         try:
@@ -426,6 +454,7 @@ class RolloutService:
         finally:
             if not was_paused:
                 await self._engine.resume()
+            self._last_weight_push_stall_seconds = time.monotonic() - paused_at
 
     async def _load(self, tensors: list[tuple[str, torch.Tensor]], policy_version: int) -> None:
         try:

@@ -1,7 +1,8 @@
 """Rebuilds the tiny models that ship in `turnrl_demo/models/`: the default settings' (the
-tests' model) and the `tiny_model` of each CPU example (calculator, search, code), and removes
-shipped folders none names any more. Run it after a change to what a build reads (the settings,
-the tasks' data, the chat template, the builder), then commit the folders:
+tests' model) and the `tiny_model` of each CPU example (calculator, search, code, and the
+chained calculator task's one-operation warm start, examples/calculator/turn_credit.yaml), and
+removes shipped folders none names any more. Run it after a change to what a build reads (the
+settings, the tasks' data, the chat template, the builder), then commit the folders:
 
     .venv/bin/python scripts/ship_tiny_models.py
 """
@@ -15,7 +16,8 @@ from turnrl_demo.settings import TinyModelSettings
 from turnrl_demo.tiny_model import SHIPPED_MODELS_DIR, build_tiny_model
 
 EXAMPLE_CONFIGS = [
-    REPO_ROOT / "examples" / task / "config.yaml" for task in ("calculator", "search", "code")
+    *(REPO_ROOT / "examples" / task / "config.yaml" for task in ("calculator", "search", "code")),
+    REPO_ROOT / "examples" / "calculator" / "turn_credit.yaml",
 ]
 
 

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from google.protobuf.descriptor import ServiceDescriptor
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fixture_files import FixturesUnavailableError, resolve_fixtures
 from turnrl import rpc
@@ -128,6 +130,18 @@ async def run_turnrl(*args: str, env: dict[str, str] | None = None, timeout_seco
             process.kill()
             await process.wait()
     return process.returncode, stdout.decode(), stderr.decode()
+
+
+async def scrape_metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """The samples a Prometheus endpoint serves, by (name, sorted label pairs)."""
+    async with httpx.AsyncClient() as client:
+        reply = await client.get(url, timeout=10)
+    reply.raise_for_status()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(reply.text)
+        for sample in family.samples
+    }
 
 
 def children(pid: int) -> list[int]:

@@ -12,6 +12,14 @@ import turnrl
 
 from .conftest import EXAMPLE_CONFIG, FREE_PORTS, run_turnrl, serve_subprocess
 
+# Each service's name, and the gRPC service it serves.
+SERVICE_CLASSES = {
+    "tool": "ToolService",
+    "reward": "RewardService",
+    "rollout": "RolloutService",
+    "trainer": "TrainerService",
+}
+
 # These start the rollout service, whose default model is the tiny one: build it before the
 # services' start-up timeouts begin.
 pytestmark = pytest.mark.usefixtures("tiny_model_dir")
@@ -188,16 +196,15 @@ async def test_run_reports_a_refused_run_and_stops_the_services(tmp_path, exampl
     assert code == 1
     assert "StartRun failed: ALREADY_EXISTS" in stderr
     assert "[trainer]" in stderr and "shutting down" in stderr
+    # Each service's output is in the run's folder too, from its start to its stop.
+    for name, service in SERVICE_CLASSES.items():
+        log = (tmp_path / "taken" / "logs" / f"{name}.log").read_text()
+        assert log.startswith(f"turnrl: start of the {name} service at ")
+        assert f"serving {service} on 127.0.0.1:" in log and "shutting down" in log
 
 
 @pytest.mark.parametrize(
-    ("package", "service"),
-    [
-        ("tool_svc", "ToolService"),
-        ("reward_svc", "RewardService"),
-        ("rollout_svc", "RolloutService"),
-        ("trainer_svc", "TrainerService"),
-    ],
+    ("package", "service"), [(f"{name}_svc", service) for name, service in SERVICE_CLASSES.items()]
 )
 async def test_each_service_package_runs_as_a_module(package, service, tiny_model_dir):
     # A service started alone reads its own section and resolves no null model_path.

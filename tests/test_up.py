@@ -6,12 +6,14 @@ import re
 import signal
 from pathlib import Path
 
+import httpx
 import pytest
 from google.protobuf import struct_pb2
 
 from turnrl import errors, rpc
-from turnrl.config import CLIENT_TOKEN_ENV, ClientConfig
+from turnrl.config import CLIENT_TOKEN_ENV, ClientConfig, HttpJsonServerConfig, ServerConfig
 from turnrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, tool_pb2, tool_pb2_grpc
+from turnrl_cli.processes import replica_overrides
 from turnrl_cli.up_table import UP_READY_LINE, UP_TABLE_ROW
 
 from .conftest import (
@@ -29,6 +31,8 @@ from .conftest import (
 pytestmark = pytest.mark.usefixtures("tiny_model_dir")
 
 SHORT_GRACE = [f"{name}.server.shutdown_grace_seconds=2" for name in SERVICE_NAMES]
+GATEWAY_PRINTED = re.compile(r"(rollout(?:#\d+)?)'s OpenAI-compatible gateway: (http://\S+) ")
+HTTP_JSON_PRINTED = re.compile(r"(\w+(?:#\d+)?) over HTTP/JSON: (http://\S+) ")
 
 
 async def test_up_check_starts_checks_and_stops_all_four(example_on_tiny_model):
@@ -48,20 +52,43 @@ async def test_up_check_starts_checks_and_stops_all_four(example_on_tiny_model):
 async def test_up_starts_each_replica_and_points_the_rollout_replicas_at_all_peers(
     example_on_tiny_model,
 ):
-    replicas = ["tool.replicas=2", "rollout.replicas=2"]
+    replicas = ["tool.replicas=2", "rollout.replicas=2", "rollout.gateway.enabled=true"]
+    replicas += ["tool.server.http_port=0", "reward.server.http_port=0"]
     process = await spawn_turnrl(
         "up", "--config", str(EXAMPLE_CONFIG), *FREE_PORTS, *SHORT_GRACE, *example_on_tiny_model,
         *replicas,
     )  # fmt: skip
     rows: dict[str, tuple[str, int]] = {}
+    gateways: dict[str, str] = {}
+    http_json: dict[str, str] = {}
     try:
         async with asyncio.timeout(120):
             async for raw in process.stdout:
                 if match := UP_TABLE_ROW.search(line := raw.decode()):
                     rows[match.group(1)] = (match.group(2), int(match.group(3)))
+                if match := GATEWAY_PRINTED.search(line):
+                    gateways[match.group(1)] = match.group(2)
+                if match := HTTP_JSON_PRINTED.search(line):
+                    http_json[match.group(1)] = match.group(2)
                 if UP_READY_LINE in line:
                     break
         assert set(rows) == {"tool", "tool#1", "reward", "rollout", "rollout#1", "trainer"}
+        # Each rollout replica's gateway, at the URL `up` printed.
+        assert set(gateways) == {"rollout", "rollout#1"}
+        async with httpx.AsyncClient() as http:
+            for url in gateways.values():
+                models = (await http.get(f"{url}/v1/models", timeout=10)).json()
+                assert models["object"] == "list" and models["data"]
+            # Each tool replica's and the reward service's methods as JSON over HTTP.
+            assert set(http_json) == {"tool", "tool#1", "reward"}
+            for name, url in http_json.items():
+                method = (
+                    "ToolService/ListTools"
+                    if name.startswith("tool")
+                    else "RewardService/ListScorers"
+                )
+                listed = await http.post(f"{url}/v1/{method}", json={}, timeout=10)
+                assert listed.status_code == 200 and listed.json(), (name, listed.text)
         assert len({address for address, _ in rows.values()}) == 6
         tools = f"rollout.tool_service.address={rows['tool'][0]},{rows['tool#1'][0]}"
         for rollout in ("rollout", "rollout#1"):
@@ -102,8 +129,8 @@ async def start_up_with_addresses(
     return process, pids, addresses
 
 
-async def test_up_restarts_a_service_that_dies_at_its_address():
-    process, pids, addresses = await start_up_with_addresses()
+async def test_up_restarts_a_service_that_dies_at_its_address(tmp_path):
+    process, pids, addresses = await start_up_with_addresses(f"trainer.output_dir={tmp_path}")
     os.kill(pids["reward"], signal.SIGKILL)
     try:
         async with asyncio.timeout(60):
@@ -121,6 +148,10 @@ async def test_up_restarts_a_service_that_dies_at_its_address():
     assert "reward service (pid" in stderr and "killed by signal 9" in stderr
     assert "restarting it in 1.0s (restart 1 of 5)" in stderr
     assert not any(pid_alive(pid) for pid in pids.values())
+    # `turnrl up` keeps each service's output under trainer.output_dir; a restart appends.
+    log = (tmp_path / "logs" / "reward.log").read_text()
+    assert log.count("serving RewardService on ") == 2
+    assert log.index("turnrl: start of") < log.index("turnrl: restart 1 of the reward service")
 
 
 async def test_up_stops_everything_when_a_service_it_does_not_restart_dies():
@@ -246,3 +277,14 @@ async def test_up_without_a_token_refuses_to_expose_a_service():
     assert code == 1
     assert "tool service" in stderr and "is reachable from other machines" in stderr
     assert "server.allow_insecure" in stderr
+
+
+def test_replicas_past_the_first_take_free_ports_where_the_config_fixes_them():
+    tool = HttpJsonServerConfig(port=50051, metrics_port=9100, http_port=8051)
+    assert replica_overrides("tool", 0, tool) == []
+    assert replica_overrides("tool", 1, tool) == [
+        "tool.server.port=0",
+        "tool.server.metrics_port=0",
+        "tool.server.http_port=0",
+    ]
+    assert replica_overrides("rollout", 1, ServerConfig(port=50053)) == ["rollout.server.port=0"]

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field
 
-from turnrl.config import DEFAULT_PORTS, ServerConfig, StrictModel
+from turnrl.config import DEFAULT_PORTS, HttpJsonServerConfig, StrictModel
 
 
 class ToolLimits(StrictModel):
@@ -53,7 +53,8 @@ class ToolEntry(StrictModel):
 
     class_name: str = Field(
         description="A built-in tool (a key of tool_svc.tools.TOOLS, e.g. 'calculator') or a "
-        "user tool by import path, 'package.module:ClassName'."
+        "user tool by import path: a Tool subclass, 'package.module:ClassName', or a plain "
+        "function with type hints and a Google-style docstring, 'package.module:function'."
     )
     name: str | None = Field(
         default=None,
@@ -80,8 +81,8 @@ def _default_tools() -> list[ToolEntry]:
 class ToolConfig(StrictModel):
     """Settings of the tool service."""
 
-    server: ServerConfig = Field(
-        default_factory=lambda: ServerConfig(port=DEFAULT_PORTS["tool"]),
+    server: HttpJsonServerConfig = Field(
+        default_factory=lambda: HttpJsonServerConfig(port=DEFAULT_PORTS["tool"]),
         description="Where and how the tool service listens.",
     )
     tools: list[ToolEntry] = Field(

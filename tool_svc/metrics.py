@@ -1,6 +1,6 @@
 """Prometheus metrics of the tool service, in a registry of its own (no global state)."""
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 # Call latency buckets, in seconds: from a calculator (~1 ms) to a sandbox run near its limit.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -11,6 +11,7 @@ class ToolMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # memory, CPU seconds, open files
         self.calls = Counter(
             "turnrl_tool_calls", "Tool calls received.", ["tool"], registry=self.registry
         )

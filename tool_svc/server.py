@@ -4,6 +4,7 @@ Errors are raised as `turnrl.errors` exceptions and mapped to status codes by `t
 """
 
 import asyncio
+import contextlib
 import datetime
 import json
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ from tool_svc.service import ToolInfo, ToolService
 from tool_svc.tools.base import ToolResult
 from turnrl import rpc, service_main
 from turnrl.errors import InvalidArgumentError
+from turnrl.rpc.http_json import serve_http_json
 from turnrl.v1 import common_pb2, tool_pb2, tool_pb2_grpc
 
 # Kept back from the caller's deadline, so that a DEADLINE_EXCEEDED result or
@@ -78,17 +80,23 @@ class ToolServicer(tool_pb2_grpc.ToolServiceServicer):
 
 
 async def serve(config: ToolConfig) -> None:
-    """Builds the tools, then serves the tool service until SIGTERM or SIGINT."""
+    """Builds the tools, then serves the tool service until SIGTERM or SIGINT, and its methods
+    as JSON over HTTP beside it with `server.http_port` (turnrl.rpc.http_json)."""
     service = await ToolService.create(config)
+    servicer = ToolServicer(service)
+    descriptor = tool_pb2.DESCRIPTOR.services_by_name["ToolService"]
     try:
-        await rpc.serve(
-            config.server,
-            tool_pb2.DESCRIPTOR.services_by_name["ToolService"],
-            lambda server: tool_pb2_grpc.add_ToolServiceServicer_to_server(
-                ToolServicer(service), server
-            ),
-            metrics=service.metrics.registry,
-        )
+        async with contextlib.AsyncExitStack() as http_json:
+            if config.server.http_port is not None:
+                await http_json.enter_async_context(
+                    serve_http_json(config.server, descriptor, servicer)
+                )
+            await rpc.serve(
+                config.server,
+                descriptor,
+                lambda server: tool_pb2_grpc.add_ToolServiceServicer_to_server(servicer, server),
+                metrics=service.metrics.registry,
+            )
     finally:
         await service.close()
 

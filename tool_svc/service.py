@@ -12,10 +12,11 @@ raises, as ResourceExhaustedError.
 import asyncio
 import contextlib
 import importlib
+import inspect
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from tool_svc.limits import RateLimitedError, ToolLimiter, replica_share
 from tool_svc.metrics import ToolMetrics
 from tool_svc.tools import TOOLS
 from tool_svc.tools.base import Tool, ToolCallError, ToolErrorKind, ToolResult
+from tool_svc.tools.function import FunctionTool
 from turnrl.errors import (
     ConfigError,
     InvalidArgumentError,
@@ -322,13 +324,17 @@ class ToolService:
 
 
 async def _build(entry: ToolEntry, index: int) -> list[Tool]:
-    tool_class = _resolve_class(entry.class_name, index)
+    tool_class_or_function = _resolve(entry.class_name, index)
     schema = entry.tool_schema
     if schema is not None and "function" in schema:
         schema = schema["function"]
-    name = entry.name or (schema or tool_class.schema)["name"]
     try:
-        return await tool_class.from_config(name, entry.config, schema)
+        if not isinstance(tool_class_or_function, type):
+            return [
+                FunctionTool.from_function(tool_class_or_function, entry.name, entry.config, schema)
+            ]
+        name = entry.name or (schema or tool_class_or_function.schema)["name"]
+        return await tool_class_or_function.from_config(name, entry.config, schema)
     except ValidationError as e:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()
@@ -337,28 +343,33 @@ async def _build(entry: ToolEntry, index: int) -> list[Tool]:
             f"tool.tools[{index}] ({entry.class_name}): bad config: {problems}"
         ) from None
     except (ValueError, RuntimeError, OSError) as e:
-        # A tool that cannot start (no sandbox, an MCP server that fails) stops the service.
+        # A tool that cannot start (no sandbox, an MCP server that fails, a function with no
+        # schema) stops the service.
         raise ConfigError(f"tool.tools[{index}] ({entry.class_name}) cannot start: {e}") from e
 
 
-def _resolve_class(class_name: str, index: int) -> type[Tool]:
+def _resolve(class_name: str, index: int) -> type[Tool] | Callable[..., Any]:
+    """The built-in tool class, or what the import path names: a Tool subclass or a function."""
     if class_name in TOOLS:
         return TOOLS[class_name]
     module_name, sep, attribute = class_name.rpartition(":" if ":" in class_name else ".")
     if not sep or not module_name:
         raise ConfigError(
             f"tool.tools[{index}].class_name: unknown tool {class_name!r}; built-in: "
-            f"{sorted(TOOLS)}, or an import path like 'my_pkg.tools:MyTool'"
+            f"{sorted(TOOLS)}, or an import path like 'my_pkg.tools:MyTool' or "
+            "'my_pkg.tools:my_function'"
         )
     try:
-        tool_class = getattr(importlib.import_module(module_name), attribute)
+        target = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as e:
         raise ConfigError(
             f"tool.tools[{index}].class_name: cannot import {class_name!r}: {e}"
         ) from e
-    if not (isinstance(tool_class, type) and issubclass(tool_class, Tool)):
-        raise ConfigError(f"tool.tools[{index}].class_name: {class_name!r} is not a Tool subclass")
-    return tool_class
+    if (isinstance(target, type) and issubclass(target, Tool)) or inspect.isfunction(target):
+        return target
+    raise ConfigError(
+        f"tool.tools[{index}].class_name: {class_name!r} is neither a Tool subclass nor a function"
+    )
 
 
 def _entries_from_file(config: ToolConfig) -> list[ToolEntry]:

@@ -1,17 +1,41 @@
-"""Advantage estimators: GRPO, Dr.GRPO, RLOO, REINFORCE++ and GAE as functions on tensors.
+"""Advantage estimators: GRPO, Dr.GRPO, RLOO, REINFORCE++ and GAE, and their turn-level
+forms, as functions on tensors.
 
 Conventions: B sequences, T token positions, right-padded; float32 CPU tensors. `loss_mask`
 (B, T) bool is True on model-sampled tokens only; tool/user tokens between model turns and
 padding are False and get advantage 0. `group_index` (B,) long names the prompt group (the n
 samples of one prompt) of each row. Sequence-level estimators return (B,); `compute_advantages`
-broadcasts them to every model token of the row. Token-level estimators treat only model
-tokens as actions: the step after a model token is the next model token, whatever lies between.
+broadcasts them to every model token of the row. A trajectory in parts (`Trajectory.parts`) is
+a row per part, each ending in the trajectory's reward; `sequence_index` (B,) names each row's
+trajectory so that the group estimators score a trajectory once, not once per part. Token-level
+estimators treat only model tokens as actions: the step after a model token is the next model
+token, whatever lies between.
+
+Turn-level estimators take a model turn (`Trajectory.model_turn_spans`: the tokens of one
+assistant message) as the step. `turn_index` (B, T) long holds each model token's turn, -1 on
+the other tokens. A turn's reward R_k is the sum of its tokens' rewards: the outcome on the
+last model token, per-turn rewards on the last token of their turn (`turn_rewards_to_tokens`),
+the KL penalty of `apply_kl_penalty` on every token. Its return is G_k = R_k + turn_gamma *
+G_{k+1}, G after the last turn 0, and every token of turn k gets turn k's advantage. The
+discount is per turn, apart from the per-token `gamma`: the credit of an action taken in a turn
+should not shrink with the length of the turns after it.
+
+- turn_reinforce_plus_plus: G_k, whitened over the batch's model tokens like REINFORCE++.
+- turn_grpo: GRPO per turn index: (G_k - mean) / (std + epsilon) over the samples of the prompt
+  group that have a turn k (unbiased std); a turn k that only one sample has gets 0.
+  turn_dr_grpo: G_k - mean, Dr.GRPO's form.
+- turn_gae: GAE with turns as steps; see `turn_gae_advantages`.
+
+Turn-level estimators refuse a trajectory in parts (rows sharing a `sequence_index`): each part
+ends in the outcome, which would count once per part in the turn returns.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from trainer_svc.losses import kl_estimate
@@ -52,19 +76,6 @@ def rloo_advantages(rewards: Tensor, group_index: Tensor) -> Tensor:
     others_sum = _group_sum(rewards, inverse, len(sizes))[inverse] - rewards
     row_sizes = sizes[inverse]
     return torch.where(row_sizes > 1, rewards - others_sum / (row_sizes - 1).clamp(min=1), 0.0)
-
-
-def groups_with_signal(rewards: Tensor, group_index: Tensor) -> Tensor:
-    """DAPO dynamic sampling: (B,) bool, True for rows whose group's rewards are not all equal.
-
-    Groups whose rewards all agree give every row advantage 0 under GRPO and RLOO, so they
-    carry no learning signal.
-    """
-    inverse, sizes = _groups(group_index)
-    per_group = torch.zeros(len(sizes), dtype=rewards.dtype)
-    highest = per_group.scatter_reduce(0, inverse, rewards, "amax", include_self=False)
-    lowest = per_group.scatter_reduce(0, inverse, rewards, "amin", include_self=False)
-    return (highest != lowest)[inverse]
 
 
 def _masked_whiten(values: Tensor, mask: Tensor) -> Tensor:
@@ -139,6 +150,109 @@ def gae_advantages(
     return _masked_whiten(advantages, loss_mask), returns
 
 
+def _turn_slots(turn_index: Tensor, num_turns: int) -> Tensor:
+    """Each token's column in a (B, num_turns + 1) per-turn table: its turn, or the spare last
+    column for the tokens of no turn."""
+    return torch.where(turn_index >= 0, turn_index, num_turns)
+
+
+def _per_turn_sums(token_values: Tensor, turn_index: Tensor, num_turns: int) -> Tensor:
+    """(B, T) -> (B, num_turns): the sum of each turn's tokens' values."""
+    slots = _turn_slots(turn_index, num_turns)
+    sums = torch.zeros(len(token_values), num_turns + 1, dtype=token_values.dtype)
+    return sums.scatter_add_(1, slots, token_values)[:, :num_turns]
+
+
+def _on_turn_tokens(turn_values: Tensor, turn_index: Tensor) -> Tensor:
+    """(B, K) -> (B, T): each token of turn k gets its row's value k; other tokens 0."""
+    spare = torch.zeros(len(turn_values), 1, dtype=turn_values.dtype)
+    table = torch.cat([turn_values, spare], dim=1)
+    return table.gather(1, _turn_slots(turn_index, turn_values.shape[1]))
+
+
+def per_turn_rewards(token_rewards: Tensor, turn_index: Tensor) -> tuple[Tensor, Tensor]:
+    """(R, has_turn), both (B, K) with K the most turns of a row: R_k the sum of turn k's token
+    rewards (tokens of no turn are ignored), and whether the row has a turn k. A row's turns
+    are 0, 1, ...: the turns it lacks come after its last."""
+    num_turns = int(turn_index.max()) + 1 if turn_index.numel() else 0
+    rewards = _per_turn_sums(token_rewards, turn_index, num_turns)
+    has_turn = _per_turn_sums(torch.ones_like(token_rewards), turn_index, num_turns) > 0
+    return rewards, has_turn
+
+
+def discounted_turn_returns(turn_rewards: Tensor, *, turn_gamma: float) -> Tensor:
+    """G_k = R_k + turn_gamma * G_{k+1}, (B, K) -> (B, K); a turn after the row's last has
+    R = 0, so the row's last turn has G = R."""
+    returns = torch.zeros_like(turn_rewards)
+    running = torch.zeros(len(turn_rewards))
+    for k in reversed(range(turn_rewards.shape[1])):
+        running = returns[:, k] = turn_rewards[:, k] + turn_gamma * running
+    return returns
+
+
+def turn_grpo_advantages(
+    turn_returns: Tensor,
+    has_turn: Tensor,
+    group_index: Tensor,
+    *,
+    normalize_by_std: bool = True,
+    epsilon: float = 1e-6,
+) -> Tensor:
+    """GRPO per (prompt group, turn index) over the rows that have that turn, (B, K) -> (B, K);
+    0 where a row has no turn k, and for a (group, k) that one row alone has."""
+    inverse, _ = _groups(group_index)
+    num_turns = turn_returns.shape[1]
+    cells = inverse[:, None] * num_turns + torch.arange(num_turns)
+    advantages = torch.zeros_like(turn_returns)
+    advantages[has_turn] = grpo_advantages(
+        turn_returns[has_turn],
+        cells[has_turn],
+        normalize_by_std=normalize_by_std,
+        epsilon=epsilon,
+    )
+    return advantages
+
+
+def turn_gae_advantages(
+    token_rewards: Tensor,
+    values: Tensor,
+    turn_index: Tensor,
+    loss_mask: Tensor,
+    *,
+    turn_gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """GAE with model turns as steps; returns (advantages, returns), both (B, T), 0 off the mask.
+
+    Turn k is one action taken in the state before its first token, whose value V_k is
+    `values` at that token (the prefix up to and with the tool or user reply before it). After
+    the row's last turn the episode ends (V = 0). With R_k the sum of turn k's token rewards:
+
+        delta_k = R_k + turn_gamma * V_{k+1} - V_k,    A_k = delta_k + turn_gamma * lam * A_{k+1},
+        returns_k = A_k + V_k.
+
+    Every token of turn k gets A_k (whitened over the batch's model tokens) and returns_k: the
+    critic's loss, which reads `returns` per token, regresses every value of the turn to the
+    turn's return, so V_k, the one read here, learns it, and the values inside a turn, which
+    turn_gae never reads, estimate the same return. `values` gets no gradient.
+    """
+    values = values.detach()
+    rewards, _ = per_turn_rewards(token_rewards, turn_index)
+    num_turns = rewards.shape[1]
+    previous = F.pad(turn_index, (1, 0), value=-1)[:, :-1]
+    first_tokens = (turn_index >= 0) & (turn_index != previous)
+    start_values = _per_turn_sums(torch.where(first_tokens, values, 0.0), turn_index, num_turns)
+    advantages = torch.zeros_like(rewards)
+    next_value = next_advantage = torch.zeros(len(rewards))
+    for k in reversed(range(num_turns)):
+        delta = rewards[:, k] + turn_gamma * next_value - start_values[:, k]
+        next_advantage = advantages[:, k] = delta + turn_gamma * lam * next_advantage
+        next_value = start_values[:, k]
+    token_advantages = _on_turn_tokens(advantages, turn_index)
+    returns = torch.where(loss_mask, _on_turn_tokens(advantages + start_values, turn_index), 0.0)
+    return _masked_whiten(token_advantages, loss_mask), returns
+
+
 def sequence_rewards_to_tokens(rewards: Tensor, loss_mask: Tensor) -> Tensor:
     """(B,) rewards -> (B, T), each placed on its row's last model token; a row with no model
     token keeps all zeros (its reward is dropped)."""
@@ -147,6 +261,21 @@ def sequence_rewards_to_tokens(rewards: Tensor, loss_mask: Tensor) -> Tensor:
     token_rewards = torch.zeros(loss_mask.shape, dtype=rewards.dtype)
     rows = torch.nonzero(last_positions >= 0).squeeze(1)
     token_rewards[rows, last_positions[rows]] = rewards[rows]
+    return token_rewards
+
+
+def turn_rewards_to_tokens(turn_rewards: Tensor, turn_index: Tensor) -> Tensor:
+    """(B, K) per-turn rewards -> (B, T), each on the last token of its turn in its row; a turn
+    a row does not hold (another part's) leaves its reward off that row."""
+    positions = torch.arange(turn_index.shape[1]).expand_as(turn_index)
+    num_turns = turn_rewards.shape[1]
+    slots = _turn_slots(turn_index, num_turns)
+    last = torch.full((len(turn_index), num_turns + 1), -1).scatter_reduce_(
+        1, slots, positions, "amax"
+    )
+    rows, turns = torch.nonzero(last[:, :num_turns] >= 0, as_tuple=True)
+    token_rewards = torch.zeros(turn_index.shape, dtype=turn_rewards.dtype)
+    token_rewards[rows, last[rows, turns]] = turn_rewards[rows, turns]
     return token_rewards
 
 
@@ -175,61 +304,119 @@ def _on_model_tokens(sequence_advantages: Tensor, loss_mask: Tensor) -> Tensor:
     return torch.where(loss_mask, sequence_advantages.unsqueeze(-1), 0.0)
 
 
-Estimator = Callable[
-    [Tensor, Tensor, Tensor, Tensor | None, float, float], tuple[Tensor, Tensor | None]
-]
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What every estimator is given: B rows of T tokens (see the module docstring)."""
+
+    token_rewards: Tensor  # (B, T) float
+    loss_mask: Tensor  # (B, T) bool
+    group_index: Tensor  # (B,) long
+    sequence_index: Tensor  # (B,) long
+    turn_index: Tensor | None  # (B, T) long, -1 off model tokens; turn-level estimators only
+    values: Tensor | None  # (B, T) the critic's; gae and turn_gae only
+    gamma: float  # per model token
+    lam: float  # GAE's lambda
+    turn_gamma: float  # per model turn
+
+
+Estimator = Callable[[AdvantageInputs], tuple[Tensor, Tensor | None]]
 
 
 def _per_sequence(row_advantages: Callable[[Tensor, Tensor], Tensor]) -> Estimator:
-    """An estimator that scores each row by its summed model-token rewards, takes the row
-    advantages from `row_advantages(rewards, group_index)`, and puts them on its model tokens."""
+    """An estimator that scores each sequence (the rows of one `sequence_index`) by its rows'
+    mean summed model-token rewards, takes the sequence advantages from
+    `row_advantages(rewards, group_index)`, and puts them on its rows' model tokens."""
 
-    def estimate(
-        token_rewards: Tensor,
-        group_index: Tensor,
-        loss_mask: Tensor,
-        values: Tensor | None,
-        gamma: float,
-        lam: float,
-    ) -> tuple[Tensor, None]:
-        advantages = row_advantages(_row_rewards(token_rewards, loss_mask), group_index)
-        return _on_model_tokens(advantages, loss_mask), None
+    def estimate(inputs: AdvantageInputs) -> tuple[Tensor, None]:
+        sequence, rows = _groups(inputs.sequence_index)
+        row_rewards = _row_rewards(inputs.token_rewards, inputs.loss_mask)
+        rewards = _group_sum(row_rewards, sequence, len(rows)) / rows
+        groups = torch.zeros(len(rows), dtype=inputs.group_index.dtype)
+        groups.scatter_(0, sequence, inputs.group_index)
+        advantages = row_advantages(rewards, groups)[sequence]
+        return _on_model_tokens(advantages, inputs.loss_mask), None
 
     return estimate
 
 
-def _reinforce_plus_plus(
-    token_rewards: Tensor,
-    group_index: Tensor,
-    loss_mask: Tensor,
-    values: Tensor | None,
-    gamma: float,
-    lam: float,
-) -> tuple[Tensor, None]:
-    return reinforce_plus_plus_advantages(token_rewards, loss_mask, gamma=gamma), None
+def _reinforce_plus_plus(inputs: AdvantageInputs) -> tuple[Tensor, None]:
+    advantages = reinforce_plus_plus_advantages(
+        inputs.token_rewards, inputs.loss_mask, gamma=inputs.gamma
+    )
+    return advantages, None
 
 
-def _gae(
-    token_rewards: Tensor,
-    group_index: Tensor,
-    loss_mask: Tensor,
-    values: Tensor | None,
-    gamma: float,
-    lam: float,
-) -> tuple[Tensor, Tensor]:
-    if values is None:
-        raise ValueError("advantage estimator 'gae' needs values from a critic; got None")
-    return gae_advantages(token_rewards, values, loss_mask, gamma=gamma, lam=lam)
+def _critic_values(inputs: AdvantageInputs, estimator: str) -> Tensor:
+    if inputs.values is None:
+        raise ValueError(f"advantage estimator {estimator!r} needs values from a critic; got None")
+    return inputs.values
 
 
-# Each takes (token_rewards, group_index, loss_mask, values, gamma, lam) and returns
-# (advantages (B, T), returns (B, T) or None); see `compute_advantages`.
+def _gae(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    values = _critic_values(inputs, "gae")
+    return gae_advantages(
+        inputs.token_rewards, values, inputs.loss_mask, gamma=inputs.gamma, lam=inputs.lam
+    )
+
+
+def _whole_trajectory_turns(inputs: AdvantageInputs, estimator: str) -> Tensor:
+    """The turn index of a batch whose rows are whole trajectories; raises ValueError for one
+    without a turn index or with a trajectory in parts."""
+    if inputs.turn_index is None:
+        raise ValueError(f"advantage estimator {estimator!r} needs a turn_index; got None")
+    if len(torch.unique(inputs.sequence_index)) < len(inputs.sequence_index):
+        raise ValueError(
+            f"advantage estimator {estimator!r} scores the turns of whole trajectories, and a "
+            "trajectory of this batch is in parts (rows sharing a sequence_index: an agent "
+            "that rewrote its history); use an estimator that is not turn-level"
+        )
+    return inputs.turn_index
+
+
+def _turn_reinforce_plus_plus(inputs: AdvantageInputs) -> tuple[Tensor, None]:
+    turn_index = _whole_trajectory_turns(inputs, "turn_reinforce_plus_plus")
+    rewards, _ = per_turn_rewards(inputs.token_rewards, turn_index)
+    returns = discounted_turn_returns(rewards, turn_gamma=inputs.turn_gamma)
+    return _masked_whiten(_on_turn_tokens(returns, turn_index), inputs.loss_mask), None
+
+
+def _turn_grpo(estimator: str, *, normalize_by_std: bool) -> Estimator:
+    def estimate(inputs: AdvantageInputs) -> tuple[Tensor, None]:
+        turn_index = _whole_trajectory_turns(inputs, estimator)
+        rewards, has_turn = per_turn_rewards(inputs.token_rewards, turn_index)
+        returns = discounted_turn_returns(rewards, turn_gamma=inputs.turn_gamma)
+        advantages = turn_grpo_advantages(
+            returns, has_turn, inputs.group_index, normalize_by_std=normalize_by_std
+        )
+        return _on_turn_tokens(advantages, turn_index), None
+
+    return estimate
+
+
+def _turn_gae(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    turn_index = _whole_trajectory_turns(inputs, "turn_gae")
+    return turn_gae_advantages(
+        inputs.token_rewards,
+        _critic_values(inputs, "turn_gae"),
+        turn_index,
+        inputs.loss_mask,
+        turn_gamma=inputs.turn_gamma,
+        lam=inputs.lam,
+    )
+
+
+# Each takes the batch's `AdvantageInputs` and returns (advantages (B, T), returns (B, T) or
+# None); see `compute_advantages`.
 ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
     "grpo": _per_sequence(grpo_advantages),
     "dr_grpo": _per_sequence(partial(grpo_advantages, normalize_by_std=False)),
     "rloo": _per_sequence(rloo_advantages),
     "reinforce_plus_plus": _reinforce_plus_plus,
     "gae": _gae,
+    "turn_reinforce_plus_plus": _turn_reinforce_plus_plus,
+    "turn_grpo": _turn_grpo("turn_grpo", normalize_by_std=True),
+    "turn_dr_grpo": _turn_grpo("turn_dr_grpo", normalize_by_std=False),
+    "turn_gae": _turn_gae,
 }
 
 
@@ -239,23 +426,43 @@ def compute_advantages(
     token_rewards: Tensor,
     group_index: Tensor,
     loss_mask: Tensor,
+    sequence_index: Tensor | None = None,
+    turn_index: Tensor | None = None,
     values: Tensor | None = None,
     gamma: float = 1.0,
     lam: float = 1.0,
+    turn_gamma: float = 1.0,
 ) -> tuple[Tensor, Tensor | None]:
-    """Advantages (B, T), 0 off the mask, and returns (B, T) for "gae" (None otherwise).
+    """Advantages (B, T), 0 off the mask, and returns (B, T) for "gae" and "turn_gae" (None
+    otherwise).
 
     `token_rewards` (B, T) holds the outcome reward on the last model token (see
-    `sequence_rewards_to_tokens`) plus any per-token terms such as `apply_kl_penalty`'s.
+    `sequence_rewards_to_tokens`) plus any per-token terms such as `apply_kl_penalty`'s and
+    per-turn rewards (`turn_rewards_to_tokens`).
     "grpo", "dr_grpo" and "rloo" score each row by the sum of its model-token rewards and
     broadcast the row's advantage to its model tokens; "reinforce_plus_plus" and "gae" are
-    per token, and "gae" needs `values` (B, T). `group_index` is used by the group
-    estimators only; `gamma` and `lam` by the token-level ones. Raises ValueError for an
-    unknown estimator (listing the known ones) or "gae" without values.
+    per token, and "gae" needs `values` (B, T); the turn-level ones (module docstring) need
+    `turn_index` (B, T), "turn_gae" `values` too. `group_index` and `sequence_index` (None:
+    each row its own sequence) are used by the group estimators only; `gamma` by the
+    token-level ones, `turn_gamma` by the turn-level ones, `lam` by both GAEs. Raises
+    ValueError for an unknown estimator (listing the known ones), a missing input or a
+    turn-level estimator on a trajectory in parts.
     """
     if estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(
             f"unknown advantage estimator {estimator!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}"
         )
-    estimate = ADVANTAGE_ESTIMATORS[estimator]
-    return estimate(token_rewards, group_index, loss_mask, values, gamma, lam)
+    if sequence_index is None:
+        sequence_index = torch.arange(len(group_index))
+    inputs = AdvantageInputs(
+        token_rewards=token_rewards,
+        loss_mask=loss_mask,
+        group_index=group_index,
+        sequence_index=sequence_index,
+        turn_index=turn_index,
+        values=values,
+        gamma=gamma,
+        lam=lam,
+        turn_gamma=turn_gamma,
+    )
+    return ADVANTAGE_ESTIMATORS[estimator](inputs)

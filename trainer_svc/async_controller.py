@@ -56,7 +56,8 @@ class AsyncController(Controller):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.buffer = ReplayBuffer(self.config.algorithm.dynamic_sampling)
+        algorithm = self.config.algorithm
+        self.buffer = ReplayBuffer(algorithm.dynamic_sampling, algorithm.enable_turn_rewards)
         # Set on every change the producer or the trainer may be waiting for: a group back,
         # a batch taken, a push.
         self._changed = asyncio.Condition()

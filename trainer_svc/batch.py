@@ -53,19 +53,13 @@ class Batch:
             raise ValueError("a batch needs at least one row and no empty row")
         lengths = torch.tensor([len(row) for row in token_ids])
         width = int(lengths.max())
-
-        def padded(rows: list[list[Any]], value: Any, dtype: torch.dtype) -> Tensor:
-            # Row by row into a filled tensor: one nested list of the whole batch is slower.
-            tensor = torch.full((len(rows), width), value, dtype=dtype)
-            for index, row in enumerate(rows):
-                tensor[index, : len(row)] = torch.tensor(row, dtype=dtype)
-            return tensor
-
         return cls(
-            input_ids=padded(token_ids, pad_token_id, torch.long),
+            input_ids=pad_rows(token_ids, width, pad_token_id, torch.long),
             attention_mask=(torch.arange(width)[None, :] < lengths[:, None]).long(),
-            loss_mask=padded(loss_masks, False, torch.bool),
-            extras={name: padded(rows, 0.0, torch.float32) for name, rows in extras.items()},
+            loss_mask=pad_rows(loss_masks, width, False, torch.bool),
+            extras={
+                name: pad_rows(rows, width, 0.0, torch.float32) for name, rows in extras.items()
+            },
             groups=None if groups is None else torch.tensor(groups, dtype=torch.long),
         )
 
@@ -85,6 +79,15 @@ class Batch:
             extras={name: take(tensor) for name, tensor in self.extras.items()},
             groups=None if self.groups is None else self.groups[index].to(device),
         )
+
+
+def pad_rows(rows: list[list[Any]], width: int, value: Any, dtype: torch.dtype) -> Tensor:
+    """(len(rows), width) of `dtype`: each row on the left, `value` after it."""
+    # Row by row into a filled tensor: one nested list of the whole batch is slower.
+    tensor = torch.full((len(rows), width), value, dtype=dtype)
+    for index, row in enumerate(rows):
+        tensor[index, : len(row)] = torch.tensor(row, dtype=dtype)
+    return tensor
 
 
 def micro_batch_rows(lengths: list[int], max_tokens: int) -> list[list[int]]:

@@ -3,15 +3,27 @@ rollouts it asks for, the RL algorithm, the SFT batches, the optimizer and where
 services are."""
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal, Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from turnrl.calculator_data import ProblemSettings
-from turnrl.config import DEFAULT_PORTS, ClientConfig, ServerConfig, StrictModel
+from turnrl.config import (
+    DEFAULT_PORTS,
+    ClientConfig,
+    ServerConfig,
+    StrictModel,
+    rubric_placeholders,
+)
 
 RUNS_FOLDER = Path("runs")  # the default trainer.output_dir, and so the default runs root
+# In a run's folder, the launcher's copy of each service's output (`turnrl run`), written
+# before the trainer starts the run: a folder holding only it is a new run's.
+RUN_LOGS_FOLDER = "logs"
+# A Hub repo id: owner/name, each of letters, digits, '-', '_' and '.', not starting with those.
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 class TrainSettings(StrictModel):
@@ -79,23 +91,63 @@ class TrainSettings(StrictModel):
         return self
 
 
+class DatasetSource(StrictModel):
+    """Records read through Hugging Face `datasets`: a dataset on the Hub or a local dataset
+    repository (`hf`, with `datasets.load_dataset`), or a folder written by `save_to_disk`
+    (`disk`, with `datasets.load_from_disk`). The rows are checked as a file's are."""
+
+    hf: str | None = Field(
+        default=None,
+        description="A Hub dataset id (openai/gsm8k) or a local folder of data files that "
+        "`datasets.load_dataset` reads; needs `split`.",
+    )
+    disk: Path | None = Field(
+        default=None,
+        description="A folder written by Dataset.save_to_disk, or by DatasetDict.save_to_disk "
+        "(then `split` picks one).",
+    )
+    name: str | None = Field(
+        default=None, description="The dataset's configuration (`hf` only), e.g. main for GSM8K."
+    )
+    split: str | None = Field(default=None, description="The split to read, e.g. train, test.")
+
+    @model_validator(mode="after")
+    def _one_place(self) -> Self:
+        if (self.hf is None) == (self.disk is None):
+            raise ValueError(
+                "a dataset source names exactly one of `hf` (a Hub id or a dataset folder) and "
+                "`disk` (a save_to_disk folder)"
+            )
+        if self.hf is not None and self.split is None:
+            raise ValueError(f"dataset {self.hf!r}: `split` is missing (e.g. split: train)")
+        if self.disk is not None and self.name is not None:
+            raise ValueError(f"dataset folder {str(self.disk)!r}: `name` is for `hf` only")
+        return self
+
+
+# One entry of train_files/eval_files: a parquet or JSONL file, or a `datasets` source.
+DataSource = Path | DatasetSource
+
+
 class DataConfig(StrictModel):
     """Prompts (RL) or conversations (SFT) in verl's dataset formats, or a generated task's
     problems."""
 
-    train_files: list[Path] = Field(
+    train_files: list[DataSource] = Field(
         default_factory=list,
-        description="Parquet or JSONL files in verl's format. RL: `prompt` as chat messages, "
+        description="Parquet or JSONL files in verl's format, or `datasets` sources "
+        "({hf: ID or folder, name: CONFIG, split: SPLIT} or {disk: FOLDER, split: SPLIT}) "
+        "whose rows have the same columns. RL: `prompt` as chat messages, "
         "`data_source`, `reward_model.ground_truth`, `extra_info.tools_kwargs` / "
         "`interaction_kwargs`. SFT: verl's multi-turn SFT format, `messages` as OpenAI chat "
         "messages (assistant `tool_calls` allowed, arguments as an object or JSON text) and "
         "optional `tools`, the tool schemas (a list, or JSON text). Empty: the problems of "
         "`generated_task` (SFT: the calculator's solved conversations).",
     )
-    eval_files: list[Path] = Field(
+    eval_files: list[DataSource] = Field(
         default_factory=list,
-        description="Held-out files in the same format. Empty with empty `train_files`: the "
-        "generated task's test split; empty otherwise: no evaluation.",
+        description="Held-out files or `datasets` sources, as `train_files`. Empty with empty "
+        "`train_files`: the generated task's test split; empty otherwise: no evaluation.",
     )
     generated_task: Literal["calculator", "search", "code"] = Field(
         default="calculator",
@@ -163,10 +215,31 @@ class AlgorithmConfig(StrictModel):
     """Advantages, policy loss, KL and sampling filters (names as in trainer_svc.advantages
     and trainer_svc.losses)."""
 
-    advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "gae"] = Field(
+    advantage_estimator: Literal[
+        "grpo",
+        "dr_grpo",
+        "rloo",
+        "reinforce_plus_plus",
+        "gae",
+        "turn_reinforce_plus_plus",
+        "turn_grpo",
+        "turn_dr_grpo",
+        "turn_gae",
+    ] = Field(
         default="grpo",
         description="How rewards become advantages. gae: PPO with a value model, trained as "
-        "configured in trainer.critic.",
+        "configured in trainer.critic. turn_*: a model turn is the step, every token of a turn "
+        "gets the turn's advantage (trainer_svc/advantages.py): turn_reinforce_plus_plus the "
+        "whitened turn return, turn_grpo and turn_dr_grpo GRPO and Dr.GRPO per turn index "
+        "within the prompt group, turn_gae GAE over turns with a critic.",
+    )
+    enable_turn_rewards: bool = Field(
+        default=False,
+        description="Add the trajectory's per-turn rewards (tools' step rewards, the "
+        "interaction's turn scores, the scorer's per-turn rewards), each on the last token of "
+        "its turn, to the outcome reward on the last model token. Off: they are reported "
+        "(turn_reward_mean) but not trained on. With grpo, dr_grpo or rloo the trajectory's "
+        "reward is then the outcome plus its turn rewards.",
     )
     gamma: float = Field(
         default=1.0,
@@ -175,12 +248,20 @@ class AlgorithmConfig(StrictModel):
         description="Discount per model token (reinforce_plus_plus, gae); tool and user tokens "
         "between turns are not steps.",
     )
+    turn_gamma: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="Discount per model turn (turn_*): a turn's return is its rewards plus "
+        "turn_gamma times the next turn's return. 0: each turn is credited with its own rewards "
+        "only.",
+    )
     gae_lambda: float = Field(
         default=1.0,
         ge=0.0,
         le=1.0,
         description="GAE's lambda: 1 gives returns minus values (no bias from the critic, most "
-        "variance), 0 one-step TD errors. gae only.",
+        "variance), 0 one-step TD errors. gae and turn_gae only.",
     )
     clip_low: float = Field(default=0.2, ge=0.0, lt=1.0, description="Ratio floor is 1 - clip_low.")
     clip_high: float = Field(
@@ -230,22 +311,39 @@ class AlgorithmConfig(StrictModel):
     ppo_epochs: int = Field(default=1, gt=0, description="Passes over each batch.")
     mini_batches: int = Field(default=1, gt=0, description="Optimizer steps per pass.")
 
+    @property
+    def trains_critic(self) -> bool:
+        """Whether the estimator reads a critic's values (gae, turn_gae)."""
+        return self.advantage_estimator in ("gae", "turn_gae")
+
+    @property
+    def turn_level(self) -> bool:
+        """Whether the estimator takes model turns as steps (turn_*)."""
+        return self.advantage_estimator.startswith("turn_")
+
     @model_validator(mode="after")
-    def _gae_lambda_needs_gae(self) -> Self:
+    def _discounts_fit_the_estimator(self) -> Self:
         # Compared with the default, not looked up in model_fields_set: `turnrl run` dumps
         # the config and validates it again, after which every field counts as set.
-        default = AlgorithmConfig.model_fields["gae_lambda"].default
-        if self.gae_lambda != default and self.advantage_estimator != "gae":
-            raise ValueError(
-                f"gae_lambda={self.gae_lambda!r} is set but advantage_estimator is "
-                f"{self.advantage_estimator!r}; only gae uses it"
-            )
+        fields = AlgorithmConfig.model_fields
+        for name, used, users in [
+            ("gae_lambda", self.trains_critic, "gae and turn_gae use it"),
+            ("turn_gamma", self.turn_level, "the turn_* estimators use it"),
+            # The per-token discount would be silently ignored where turns are the steps.
+            ("gamma", not self.turn_level, "turn_* estimators discount per turn: turn_gamma"),
+        ]:
+            if getattr(self, name) != fields[name].default and not used:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is set but advantage_estimator is "
+                    f"{self.advantage_estimator!r}; {users}"
+                )
         return self
 
 
 class CriticConfig(StrictModel):
-    """The value model of advantage_estimator gae: the policy's transformer with a scalar head,
-    trained on the same mini-batches and epochs as the policy, with its own optimizer."""
+    """The value model of advantage_estimator gae and turn_gae: the policy's transformer with a
+    scalar head, trained on the same mini-batches and epochs as the policy, with its own
+    optimizer."""
 
     model_path: str | None = Field(
         default=None,
@@ -342,6 +440,120 @@ class AsyncLoopConfig(StrictModel):
     )
 
 
+JUDGE_RUBRIC_PLACEHOLDERS = frozenset({"question", "transcript"})
+DEFAULT_JUDGE_RUBRIC = (
+    "Judge whether this answer is right.\n\nProblem: {question}\n\nThe answer, with its "
+    "tool calls and their results:\n{transcript}\n\nEnd with 'Verdict: yes' if the final "
+    "answer is right, or 'Verdict: no'."
+)
+
+
+class JudgeTrainingConfig(StrictModel):
+    """Co-training a judge with the policy (`trainer.judge_training`;
+    trainer_svc/judge_training.py). One model in two roles, set by the prompt: each step, after
+    the policy's trajectories are scored by the task's scorer, the same model judges each of them
+    `samples` times from `rubric`; a verdict is rewarded by agreeing with the task's scorer (the
+    reward service's judge_agreement scorer), and the policy's reward becomes the judges' mean
+    verdict (plus the task's score by `truth_weight`). Both roles train in one update and get
+    every weight push. Held-out accuracy stays the task scorer's, so a policy that learns to fool
+    the judge shows as train reward rising without it."""
+
+    samples: int = Field(
+        default=4, gt=0, description="Verdicts on each policy trajectory: the judge's group."
+    )
+    rubric: str = Field(
+        default=DEFAULT_JUDGE_RUBRIC,
+        description="The judge's prompt, a user message: {question} is the policy's first user "
+        "message, {transcript} its turns after it (assistant text, tool calls and tool results). "
+        "The verdict is its last yes/no or correct/incorrect.",
+    )
+    truth_weight: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="The policy's reward: (1 - truth_weight) x the judges' mean verdict + "
+        "truth_weight x the task scorer's reward. 0: the judge's alone.",
+    )
+    temperature: float = Field(default=1.0, ge=0.0, description="The judge's sampling temperature.")
+    max_new_tokens: int = Field(
+        default=0, ge=0, description="Tokens of one verdict; 0: the rollout service's limit."
+    )
+
+    @model_validator(mode="after")
+    def _rubric_fits(self) -> Self:
+        try:
+            fields = rubric_placeholders(self.rubric)
+        except ValueError as e:
+            raise ValueError(f"judge_training.{e}") from None
+        unknown = fields - JUDGE_RUBRIC_PLACEHOLDERS
+        if unknown or "transcript" not in fields:
+            raise ValueError(
+                f"judge_training.rubric has placeholders {sorted(fields)}: it must hold "
+                f"{{transcript}} and may hold {{question}}, nothing else (double literal braces)"
+            )
+        return self
+
+
+class DumpsConfig(StrictModel):
+    """Trajectory dumps: JSON lines of what the agent did, in the run folder (trainer_svc/dumps.py)."""
+
+    rollouts_per_step: int = Field(
+        default=8,
+        ge=0,
+        description="Trajectories of each step written to rollouts/step_<N>.jsonl: the best and "
+        "the worst of `extreme_groups` groups, the rest a random sample (seeded by the run's "
+        "seed and the step). 0: no rollout dumps.",
+    )
+    extreme_groups: int = Field(
+        default=2,
+        ge=0,
+        description="Groups, picked at random each step, whose best and worst trajectories are "
+        "always among the step's dumped ones (as many as rollouts_per_step leaves room for).",
+    )
+    enable_eval: bool = Field(
+        default=True,
+        description="Write every generation of each held-out evaluation to eval/step_<N>.jsonl.",
+    )
+
+
+class EvalConfig(StrictModel):
+    """How the RL loop's held-out evaluation samples and what it counts as solved. The default
+    is greedy, one sample per prompt: eval/accuracy, the share of prompts solved."""
+
+    n: int = Field(default=1, gt=0, description="Samples per held-out prompt.")
+    temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0: greedy.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    k: list[int] = Field(
+        default_factory=lambda: [1],
+        description="The k of each pass@k reported (one number or a list), each at most `n`.",
+    )
+    success_threshold: float | None = Field(
+        default=None,
+        description="A sample counts as solved for pass@k when its reward is at least this. "
+        "Null: the scorer's verdict, as eval/accuracy counts it (its `acc` when it reports "
+        "one, else a positive reward).",
+    )
+
+    @field_validator("k", mode="before")
+    @classmethod
+    def _one_k_is_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, int) else value
+
+    @model_validator(mode="after")
+    def _samples_fit(self) -> Self:
+        if not self.k or min(self.k) < 1 or max(self.k) > self.n:
+            raise ValueError(
+                f"eval.k={self.k!r}: each k must be between 1 and eval.n={self.n!r} (pass@k "
+                "draws k of the n samples of a prompt)"
+            )
+        if self.n > 1 and self.temperature == 0.0:
+            raise ValueError(
+                f"eval.n={self.n!r} with eval.temperature 0: greedy samples are all alike; "
+                "set a temperature above 0 (e.g. 0.6) or n: 1"
+            )
+        return self
+
+
 class SftConfig(StrictModel):
     """Supervised fine-tuning (`trainer.mode: sft`) on the conversations of `trainer.data`: the
     loss is the cross-entropy of the assistant messages' tokens (turnrl.chat_tokens.
@@ -370,6 +582,124 @@ class SftConfig(StrictModel):
         return math.ceil(self.epochs * conversations / self.conversations_per_step)
 
 
+class LoraSettings(StrictModel):
+    """`trainer.lora`: train low-rank adapters (peft's LoRA) on the frozen base model instead of
+    all its weights. The reference policy of the KL term is the same model with the adapters
+    switched off; pushes carry the adapters only (`push: adapter`) or the merged weights."""
+
+    rank: int = Field(default=8, gt=0, description="Rank r of each adapter's A (r x in) and B.")
+    alpha: float = Field(
+        default=16.0, gt=0, description="Scaling numerator: an adapter adds (alpha / rank) B A."
+    )
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="Dropout on adapter inputs.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="Linear layers that get adapters, by the last part of their module name, or "
+        "'all-linear' (every linear layer but the output head).",
+    )
+    # Not PiSSA or OLoRA: they rewrite the base weights at init, so the model with its
+    # adapters switched off would no longer be the base (the KL reference), and the exported
+    # adapter would not apply to the base a user holds.
+    init: Literal["default", "gaussian"] = Field(
+        default="default",
+        description="peft's init_lora_weights: default (B = 0, so training starts from the base "
+        "model) or gaussian.",
+    )
+    push: Literal["adapter", "merged"] = Field(
+        default="adapter",
+        description="What a weight push carries: the adapters only (the engine applies them), "
+        "or the base weights with the adapters merged in (any engine).",
+    )
+    export_merged: bool = Field(
+        default=False,
+        description="Also write final_model/merged: the base model with the adapters merged in.",
+    )
+
+
+class PushToHubSettings(StrictModel):
+    """`trainer.push_to_hub`: upload the run's exported model to a Hugging Face Hub model repo
+    (trainer_svc/hub.py), on a thread of its own so that no step waits on the network."""
+
+    repo_id: str = Field(
+        description="The model repo, 'owner/name'; created (private unless `private` is false) "
+        "when it does not exist.",
+    )
+    private: bool = Field(default=True, description="Create the repo private.")
+    every_n_steps: int | None = Field(
+        default=None,
+        gt=0,
+        description="Also upload the model of every this many steps (exported at that step, as "
+        "final_model would be), one commit each; a step whose upload would start while the "
+        "previous one still runs skips it (counted in hub/skipped_uploads). None: only the "
+        "final model, at the end of the run.",
+    )
+    include_checkpoints: bool = Field(
+        default=False,
+        description="Also upload the run's checkpoints/ folder (model, optimizer and RNG state "
+        "of each checkpointed step) under checkpoints/ in the repo, after the final model.",
+    )
+    revision: str | None = Field(
+        default=None,
+        min_length=1,
+        description="The branch to commit to, created from the default branch when missing. "
+        "None: the repo's default branch (main).",
+    )
+    token_env: str = Field(
+        default="HF_TOKEN",
+        min_length=1,
+        description="Environment variable of the trainer service holding the Hub token (write "
+        "access); StartRun refuses a run when it is unset or empty.",
+    )
+    endpoint: str | None = Field(
+        default=None,
+        description="The Hub's URL. None: huggingface_hub's, $HF_ENDPOINT or huggingface.co.",
+    )
+
+    @field_validator("repo_id")
+    @classmethod
+    def _repo_id_names_owner_and_name(cls, repo_id: str) -> str:
+        if not REPO_ID.fullmatch(repo_id):
+            raise ValueError(
+                f"repo_id {repo_id!r} is not 'owner/name' (letters, digits, '-', '_' and '.', "
+                "one '/'); the owner is your Hub user or organization"
+            )
+        return repo_id
+
+
+class WandbSettings(StrictModel):
+    """The wandb run of a run (trainer.loggers: [wandb]). Its id is made once per run and kept
+    in the run folder (trainer_svc.trackers), so a --resume continues it and no two runs,
+    whatever their names, share one."""
+
+    mode: Literal["offline", "online"] = Field(
+        default="offline",
+        description="offline: files in <run folder>/wandb/ only (`wandb sync` uploads them); "
+        "online: streamed to the server, which needs WANDB_API_KEY.",
+    )
+    project: str = Field(default="turnrl", min_length=1, description="wandb project.")
+    entity: str | None = Field(
+        default=None, description="wandb user or team; None: the API key's default entity."
+    )
+    group: str | None = Field(default=None, description="wandb group of related runs.")
+    tags: list[str] = Field(default_factory=list, description="wandb tags of the run.")
+
+
+class MlflowSettings(StrictModel):
+    """The MLflow run of a run (trainer.loggers: [mlflow]); its id is kept in the run folder,
+    so a --resume continues it."""
+
+    tracking_uri: str | None = Field(
+        default=None,
+        description="MLflow tracking server or store, e.g. http://host:5000 or "
+        "sqlite:///path/mlflow.db. None: an SQLite store in the run folder, "
+        "<run folder>/mlflow.db.",
+    )
+    experiment: str = Field(
+        default="turnrl", min_length=1, description="MLflow experiment, made if missing."
+    )
+
+
 class TrainerConfig(StrictModel):
     """Settings of the trainer service and of the run it is given."""
 
@@ -386,11 +716,13 @@ class TrainerConfig(StrictModel):
         "number its service runs.",
     )
     run_name: str = Field(default="calculator", min_length=1, description="Name of the run.")
-    mode: Literal["rl", "sft"] = Field(
+    mode: Literal["rl", "sft", "eval"] = Field(
         default="rl",
         description="rl: the RL loop (trainer.loop), through the rollout, tool and reward "
         "services. sft: supervised fine-tuning on written conversations (trainer.sft), in this service alone: "
-        "rollout_service, rollout, algorithm and weight_sync are not used.",
+        "rollout_service, rollout, algorithm and weight_sync are not used. eval: the RL loop's "
+        "held-out evaluation (trainer.eval), once, of the model the rollout service serves; "
+        "nothing is trained (`turnrl eval`).",
     )
     loop: Literal["sync", "async"] = Field(
         default="sync",
@@ -427,6 +759,10 @@ class TrainerConfig(StrictModel):
         description="Evaluate every this many steps (and at start and end); 0: only at start "
         "and end. RL: held-out accuracy; SFT: held-out loss.",
     )
+    eval: EvalConfig = Field(
+        default_factory=EvalConfig,
+        description="RL and eval: the held-out evaluation's sampling and pass@k.",
+    )
     checkpoint_every: int = Field(
         default=10, ge=0, description="Checkpoint every this many steps (and at the end); 0: end."
     )
@@ -452,17 +788,53 @@ class TrainerConfig(StrictModel):
     optim: TrainSettings = Field(
         default_factory=TrainSettings, description="Optimizer, precision and micro-batches."
     )
+    lora: LoraSettings | None = Field(
+        default=None, description="Low-rank adapters to train; null trains every weight."
+    )
     critic: CriticConfig = Field(
         default_factory=CriticConfig,
-        description="The value model; only with algorithm.advantage_estimator gae.",
+        description="The value model; only with algorithm.advantage_estimator gae or turn_gae.",
     )
     weight_sync: WeightSyncConfig = Field(
         default_factory=WeightSyncConfig, description="Weight pushes to the rollout service."
     )
-    wandb_mode: Literal["offline", "online", "disabled"] = Field(
-        default="offline",
-        description="wandb logging; online needs WANDB_API_KEY. Files go under the run folder.",
+    judge_training: JudgeTrainingConfig | None = Field(
+        default=None,
+        description="RL, sync loop only. Co-train a judge: the policy's model also judges its "
+        "trajectories and the policy is rewarded by the verdicts; null: no judge.",
     )
+    dumps: DumpsConfig = Field(
+        default_factory=DumpsConfig,
+        description="RL only. Trajectory dumps under the run folder: rollouts/ and eval/.",
+    )
+    push_to_hub: PushToHubSettings | None = Field(
+        default=None,
+        description="Upload the exported model to the Hugging Face Hub; null: no upload.",
+    )
+    loggers: list[Literal["wandb", "tensorboard", "mlflow"]] = Field(
+        default_factory=lambda: ["wandb"],
+        description="Trackers each step's metrics go to besides metrics.jsonl (always "
+        "written), each set in its own key: wandb (trainer.wandb), tensorboard (event files "
+        "in <run folder>/tensorboard/), mlflow (trainer.mlflow). [] logs to metrics.jsonl only.",
+    )
+    wandb: WandbSettings = Field(
+        default_factory=WandbSettings, description="The wandb run (loggers: [wandb])."
+    )
+    mlflow: MlflowSettings = Field(
+        default_factory=MlflowSettings, description="The MLflow run (loggers: [mlflow])."
+    )
+
+    @model_validator(mode="after")
+    def _tracker_settings_have_their_logger(self) -> Self:
+        if len(set(self.loggers)) != len(self.loggers):
+            raise ValueError(f"loggers names a tracker twice: {self.loggers!r}")
+        for name, default in (("wandb", WandbSettings()), ("mlflow", MlflowSettings())):
+            if getattr(self, name) != default and name not in self.loggers:  # as for critic
+                raise ValueError(
+                    f"{name} is set but loggers is {self.loggers!r}; add {name!r} to loggers "
+                    "to use it"
+                )
+        return self
 
     @model_validator(mode="after")
     def _async_loop_fits_the_run(self) -> Self:
@@ -470,6 +842,15 @@ class TrainerConfig(StrictModel):
             raise ValueError("async_loop is set but loop is 'sync'; set loop: async to use it")
         if self.loop == "async" and self.mode == "sft":
             raise ValueError("loop: async is an RL loop; an SFT run (mode: sft) has no rollouts")
+        return self
+
+    @model_validator(mode="after")
+    def _judge_training_fits_the_run(self) -> Self:
+        if self.judge_training is not None and (self.mode != "rl" or self.loop != "sync"):
+            raise ValueError(
+                f"judge_training is set but the run is mode {self.mode!r}, loop {self.loop!r}: "
+                "a judge is co-trained by the sync RL loop only (mode: rl, loop: sync)"
+            )
         return self
 
     @model_validator(mode="after")
@@ -486,12 +867,14 @@ class TrainerConfig(StrictModel):
     @model_validator(mode="after")
     def _critic_fits_the_algorithm(self) -> Self:
         estimator = self.algorithm.advantage_estimator
-        if self.critic != CriticConfig() and estimator != "gae":  # as in _gae_lambda_needs_gae
+        trains_critic = self.algorithm.trains_critic
+        # Compared with the default, as in _discounts_fit_the_estimator.
+        if self.critic != CriticConfig() and not trains_critic:
             raise ValueError(
                 f"critic is set but algorithm.advantage_estimator is {estimator!r}; only gae "
-                "trains a critic"
+                "and turn_gae train a critic"
             )
-        if estimator == "gae" and self.critic.critic_only_steps >= self.steps:
+        if trains_critic and self.critic.critic_only_steps >= self.steps:
             raise ValueError(
                 f"critic.critic_only_steps={self.critic.critic_only_steps!r} leaves no step of "
                 f"the {self.steps!r} (steps) to train the policy; make it smaller than steps"

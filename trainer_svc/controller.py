@@ -18,6 +18,7 @@ report, the end of the run.
 import asyncio
 import functools
 import logging
+import random
 import time
 import uuid
 from dataclasses import replace
@@ -26,8 +27,26 @@ from typing import Any
 import torch
 
 from trainer_svc.data import EpochSampler, PromptRecord, load_datasets
+from trainer_svc.dumps import (
+    EVAL_FOLDER,
+    ROLLOUTS_FOLDER,
+    DumpWriter,
+    dump_path,
+    rollout_records,
+    select_for_dump,
+    trajectory_record,
+)
+from trainer_svc.eval_metrics import sampled_metrics
+from trainer_svc.judge_training import (
+    is_judge,
+    judge_metrics,
+    judge_records,
+    judged_policy,
+    judges_by_policy,
+    ran_ok,
+)
 from trainer_svc.ledger import PromptLedger, prompt_key
-from trainer_svc.ranks import checkpoint_state, gather_weights
+from trainer_svc.ranks import checkpoint_state, gather_weights, pushed_adapter
 from trainer_svc.report import REWARD_PLOT
 from trainer_svc.rl_step import (
     RolloutBatch,
@@ -70,9 +89,9 @@ class Controller(RunLoop):
         """Trains to `config.steps` or a stop; returns the summary written to summary.json."""
         started = time.monotonic()
         config = self.config
-        model_path, _ = await self._model_and_tokenizer()
+        model_path, tokenizer = await self._model_and_tokenizer()
         await self.ranks.build(rl_models, config, model_path)
-        train, self.held_out = load_datasets(config.data, config.seed)
+        train, self.held_out = await asyncio.to_thread(load_datasets, config.data, config.seed)
         self.sampler = EpochSampler(train, config.seed, config.data.shuffle)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.ledger = PromptLedger(self.run_dir)
@@ -82,7 +101,8 @@ class Controller(RunLoop):
         # What the restored model trained on, only: a run resumed with no checkpoint yet (its
         # trainer died before the first) starts its ledger again.
         self.ledger.rewind(self.step)
-        self._open_report(state is not None, REWARD_PLOT)
+        await self._open_report(state is not None, REWARD_PLOT)
+        await self._open_hub_repo()
         self.router = RolloutRouter(config.rollout_service, self._catch_up)
         # A push and a catch-up both read the last push's weights, which a push rewrites.
         self._push_lock = asyncio.Lock()
@@ -91,6 +111,8 @@ class Controller(RunLoop):
         self._push_members: list[tuple[str, int]] = []
         self._pusher_groups = 0  # weight-sync groups formed in this run
         self._policy_version = 0  # the last weight version pushed
+        self._base_version: int | None = None  # of the base weights pushed adapters apply to
+        self.dumps = DumpWriter(tokenizer)
         try:
             await self._push()
             self.emit(ProgressEvent(self.step, "setup", message=f"model {model_path}"))
@@ -99,6 +121,7 @@ class Controller(RunLoop):
             if self.pusher is not None:
                 self.pusher.close()
             await self.router.close()
+            await asyncio.to_thread(self.dumps.close)
         return await self._finish(model_path, started)
 
     def _resume_from(self, state: dict[str, Any]) -> None:
@@ -110,17 +133,24 @@ class Controller(RunLoop):
         self.step += 1
         trajectories, metrics = await self._rollout()
         rollouts = rollout_batch(trajectories, self.pad_token_id, self._policy_version)
-        metrics.update({f"rollout/{k}": v for k, v in rollout_metrics(trajectories).items()})
+        policy = [t for t in trajectories if not is_judge(t)]  # a co-trained judge's: judge/*
+        metrics.update({f"rollout/{k}": v for k, v in rollout_metrics(policy).items()})
         metrics.update(staleness_metrics(trajectories, self._policy_version))
         self.emit(ProgressEvent(self.step, "rollout", metrics))
 
         await self._train(rollouts, metrics)
+        started = time.monotonic()
+        self._dump_rollouts(rollouts)
+        metrics["time/dumps"] = time.monotonic() - started  # the hand-off; the writing is off-loop
+        # The writer's CPU time since the last step (its JSON holds the GIL the loop needs).
+        metrics["time/dumps_writer_cpu"] = self.dumps.take_cpu_seconds()
         started = time.monotonic()
         pushed = await self._push()
         metrics["time/push"] = time.monotonic() - started
         metrics["time/push_stall"] = pushed.seconds  # generation paused, Pause to Resume
         # 0 when no weight-sync group formed and the weights went as gRPC streams (slower).
         metrics["push/broadcast"] = float(pushed.mode == "broadcast")
+        metrics["push/bytes"] = float(pushed.total_bytes)  # the adapters' alone, under LoRA
         self.emit(ProgressEvent(self.step, "push", {"time/push": metrics["time/push"]}))
         # The engine's own gauges and running totals (busy seconds, tokens, cache hits), as
         # the rollout service reports them.
@@ -128,7 +158,7 @@ class Controller(RunLoop):
         metrics["router/live_replicas"] = float(len(self.router.live()))
         metrics["router/redispatched_groups"] = float(self.router.redispatched_groups)
         self.report.log(self.step, metrics)
-        await self._evaluate_and_checkpoint_when_due()
+        await self._finish_step()
 
     async def _train(self, rollouts: RolloutBatch, metrics: dict[str, float]) -> None:
         """The update of one step on `rollouts` (on every rank); adds its metrics to `metrics`."""
@@ -137,9 +167,7 @@ class Controller(RunLoop):
         rows = [
             mini
             for _ in range(algorithm.ppo_epochs)
-            for mini in mini_batches(
-                len(rollouts.trajectories), algorithm.mini_batches, self.generator
-            )
+            for mini in mini_batches(len(rollouts.rewards), algorithm.mini_batches, self.generator)
         ]
         # The trajectories stay here: the ranks need the tensors only.
         tensors = replace(rollouts, trajectories=[])
@@ -149,6 +177,26 @@ class Controller(RunLoop):
         metrics["train/tokens_per_s"] = tokens / metrics["time/train"]
         self.emit(ProgressEvent(self.step, "train", metrics))
 
+    def _dump_rollouts(self, rollouts: RolloutBatch) -> None:
+        """Hands the trained step's sample of trajectories (`trainer.dumps`) to the writer: after
+        `_train`, whose `prepare_update` added the trainer's logprobs and the advantages to the
+        batch (rank 0 computes in this process, on this very batch)."""
+        settings = self.config.dumps
+        if settings.rollouts_per_step == 0:
+            return
+        chosen = select_for_dump(
+            [t.reward.score for t in rollouts.trajectories],
+            [t.group_id for t in rollouts.trajectories],
+            settings.rollouts_per_step,
+            settings.extreme_groups,
+            random.Random(self.config.seed * 1_000_003 + self.step),
+        )
+        path = dump_path(self.run_dir, ROLLOUTS_FOLDER, self.step)
+        records = functools.partial(
+            rollout_records, rollouts, chosen, self.step, self._policy_version
+        )
+        self.dumps.write(path, records)
+
     async def _rollout(self) -> tuple[list[Trajectory], dict[str, float]]:
         """One batch of scored, usable trajectories (`trainable`), and the rollout's timing;
         with dynamic sampling, groups that teach nothing are dropped and more prompts rolled
@@ -157,17 +205,30 @@ class Controller(RunLoop):
         algorithm = self.config.algorithm
         groups_per_step = self.config.rollout.prompts_per_step
         kept: list[Trajectory] = []
+        judges: list[Trajectory] = []  # with trainer.judge_training: the verdicts on `kept`
         drawn: list[str] = []
         infra_failures = 0
+        metrics: dict[str, float] = {}
         for attempt in range(1 + (algorithm.max_refills if algorithm.dynamic_sampling else 0)):
             positions = self.sampler.next_positions(groups_per_step)
             records = [self.sampler.record_at(p) for p in positions]
             keys = [prompt_key(p, r.prompt_id) for p, r in zip(positions, records, strict=True)]
             drawn += keys
-            found = await self._generate(records, keys, f"step{self.step}.{attempt}", training=True)
+            tag = f"step{self.step}.{attempt}"
+            found = await self._generate(records, keys, tag, training=True)
             infra_failures += sum(map(infra_failed, found))
             found = [t for t in found if trainable(t)]
-            kept += keep_groups_with_signal(found) if algorithm.dynamic_sampling else found
+            if self.config.judge_training is not None:
+                verdicts = await self._judge(found, f"{tag}.judge", training=True)
+                judged = judged_policy(found, verdicts, self.config.judge_training)
+                found, judges = judged.policy, judges + judged.judges
+                for name, count in judged.counts().items():
+                    metrics[name] = metrics.get(name, 0.0) + count
+            kept += (
+                keep_groups_with_signal(found, enable_turn_rewards=algorithm.enable_turn_rewards)
+                if algorithm.dynamic_sampling
+                else found
+            )
             if len({t.group_id for t in kept}) >= groups_per_step:
                 break
         if not kept:
@@ -184,13 +245,57 @@ class Controller(RunLoop):
             unused=kept_groups[groups_per_step:],
         )
         batch = [t for t in kept if t.group_id in trained]
+        if self.config.judge_training is not None:
+            batch += self._judges_to_train(batch, judges, metrics)
         seconds = time.monotonic() - started
-        generated = sum(t.metrics["model_tokens"] for t in kept)
+        generated = sum(t.metrics["model_tokens"] for t in kept + judges)
         return batch, {
+            **metrics,
             "time/rollout": seconds,
             "rollout/tokens_per_s": generated / seconds,
             "rollout/infra_failed_trajectories": float(infra_failures),
         }
+
+    async def _judge(
+        self, policy: list[Trajectory], tag: str, *, training: bool
+    ) -> list[Trajectory]:
+        """The verdicts of the policy's own model on `policy` (`trainer.judge_training`), in
+        trajectory id order: training, `samples` on each at the judge's temperature;
+        evaluating, one at the held-out evaluation's."""
+        settings = self.config.judge_training
+        records = judge_records(policy, settings)
+        sampled = settings if training else self.config.eval
+        request = rollout_pb2.GenerateRequest(
+            prompts=[record.to_proto([]) for record in records],
+            n=settings.samples if training else 1,
+            sampling=common_pb2.SamplingParams(
+                temperature=sampled.temperature,
+                top_p=1.0 if training else self.config.eval.top_p,
+                seed=self._sampling_seed(training=training),
+            ),
+            limits=common_pb2.LengthLimits(max_new_tokens=settings.max_new_tokens),
+            max_turns=1,
+            enable_scoring=True,
+            request_id=f"{self.run_dir.name}/{self._calls}/{tag}",
+        )
+        judges = await self.router.generate(
+            request, timeout_seconds=self.config.rollout.timeout_seconds
+        )
+        return sorted(judges, key=lambda t: t.trajectory_id)
+
+    def _judges_to_train(
+        self, policy: list[Trajectory], judges: list[Trajectory], metrics: dict[str, float]
+    ) -> list[Trajectory]:
+        """The trainable verdicts on the trained `policy` (with dynamic sampling, in groups
+        whose verdicts differ); adds how the judges did to `metrics` (judge/...)."""
+        judged = judges_by_policy(policy, judges)
+        ran = [j for t in policy for j in judged[t.trajectory_id]]
+        metrics.update({f"judge/{k}": v for k, v in judge_metrics(policy, ran).items()})
+        usable = [j for j in ran if trainable(j)]
+        if self.config.algorithm.dynamic_sampling:
+            usable = keep_groups_with_signal(usable, enable_turn_rewards=False)
+        metrics["judge/trained_trajectories"] = float(len(usable))
+        return usable
 
     async def _generate(
         self, records: list[PromptRecord], prompt_ids: list[str], tag: str, *, training: bool
@@ -208,25 +313,22 @@ class Controller(RunLoop):
     def _generate_request(
         self, records: list[PromptRecord], prompt_ids: list[str], tag: str, *, training: bool
     ) -> rollout_pb2.GenerateRequest:
-        """A Generate call for `records`: training samples `samples_per_prompt` each at the
-        configured temperature, evaluation one each, greedy."""
+        """A Generate call for `records`: training samples `rollout.samples_per_prompt` each,
+        evaluation `eval.n` each (greedy unless `trainer.eval` says otherwise)."""
         request_config = self.config.rollout
         prompts = [r.to_proto(request_config.tools) for r in records]
         for prompt, prompt_id in zip(prompts, prompt_ids, strict=True):
             prompt.prompt_id = prompt_id
             prompt.chat_template_kwargs.update(self.config.data.chat_template_kwargs)
-        sampling = (
-            common_pb2.SamplingParams(
-                temperature=request_config.temperature,
-                top_p=request_config.top_p,
-                seed=self.config.seed * 1_000_003 + self.step,
-            )
-            if training
-            else common_pb2.SamplingParams(temperature=0.0)
+        sampled = request_config if training else self.config.eval
+        sampling = common_pb2.SamplingParams(
+            temperature=sampled.temperature,
+            top_p=sampled.top_p,
+            seed=self._sampling_seed(training=training),
         )
         return rollout_pb2.GenerateRequest(
             prompts=prompts,
-            n=request_config.samples_per_prompt if training else 1,
+            n=request_config.samples_per_prompt if training else self.config.eval.n,
             sampling=sampling,
             limits=common_pb2.LengthLimits(
                 max_new_tokens=request_config.max_new_tokens,
@@ -236,6 +338,11 @@ class Controller(RunLoop):
             enable_scoring=True,
             request_id=f"{self.run_dir.name}/{self._calls}/{tag}",
         )
+
+    def _sampling_seed(self, *, training: bool) -> int:
+        """The seed of this step's Generate calls: an evaluation's own seeds, apart from the
+        training step's of the same number."""
+        return self.config.seed * 1_000_003 + self.step + (0 if training else 500_009)
 
     async def _push(self) -> PushResult:
         """Sends the policy's weights as the next version no replica has seen, to every live
@@ -247,30 +354,52 @@ class Controller(RunLoop):
 
     async def _push_to_members(self) -> PushResult:
         bucket_size_bytes = self.config.weight_sync.bucket_size_mb * MIB
-        weights = await self.ranks.run(gather_weights, bucket_size_bytes)
+        adapter = pushed_adapter(self.config.lora, self.ranks.models.policy)
+        weights = await self.ranks.run(gather_weights, bucket_size_bytes, adapter is not None)
         while True:
             members = await self.router.members_for_push()
             if self.pusher is None or _membership(members) != self._push_members:
                 await self._connect_pusher(members)
             stats = await self.router.stats()
+            if adapter is not None:
+                check_loads_adapters(stats)
             versions = [self._policy_version, *(s.policy_version for s in stats)]
             self._policy_version = max(versions) + 1
             try:
-                return await self.pusher.push(weights, self._policy_version)
+                if adapter is not None and self._lacks_base(stats):
+                    await self.pusher.push(self.ranks.models.base_weights, self._policy_version)
+                    self._base_version = self._policy_version
+                    self._policy_version += 1
+                return await self.pusher.push(weights, self._policy_version, adapter=adapter)
             except errors.RpcError as e:
                 if e.status not in REPLICA_LOST_STATUSES or not self.router.lose(e.address, e):
                     raise
 
+    def _lacks_base(self, stats: list[rollout_pb2.GetStatsResponse]) -> bool:
+        """Whether a replica of `stats` may apply pushed adapters to other base weights than
+        this run's: none were pushed yet in this run (an engine keeps the last run's full
+        weights, and one restarted loads its own model), or it took none since."""
+        return self._base_version is None or any(
+            s.policy_version < self._base_version for s in stats
+        )
+
     async def _catch_up(self, replica: RolloutReplica) -> None:
         """Brings a rollout replica that came back (its launcher restarted it) the policy the
-        others serve, the last push's weights and version, as a gRPC stream; it joins the
-        weight-sync group at the next push."""
+        others serve, the last push's weights and version (with pushed adapters, the base
+        weights first when it lacks them), as a gRPC stream; it joins the weight-sync group
+        at the next push."""
         async with self._push_lock:
             stats = await replica.stub.GetStats(rollout_pb2.GetStatsRequest(), timeout=30)
             if stats.policy_version == self._policy_version:
                 return  # it never lost them
+            adapter = pushed_adapter(self.config.lora, self.ranks.models.policy)
+            if adapter is not None:
+                check_loads_adapters([stats])
             pusher = await WeightPusher.connect([replica.stub], mode="grpc")
-            await pusher.push(self.ranks.models.push_weights, self._policy_version)
+            if adapter is not None and self._lacks_base([stats]):
+                # Any version between its own and the adapters' will do.
+                await pusher.push(self.ranks.models.base_weights, stats.policy_version + 1)
+            await pusher.push(self.ranks.models.push_weights, self._policy_version, adapter=adapter)
 
     async def _connect_pusher(self, members: list[RolloutReplica]) -> None:
         """Forms the weight-sync group with `members` (each time under a new name: the
@@ -297,6 +426,12 @@ class Controller(RunLoop):
         trajectories = await self._generate(
             self.held_out, prompt_ids, f"eval{self.step}", training=False
         )
+        if self.config.dumps.enable_eval:
+            step, version = self.step, self._policy_version
+            self.dumps.write(
+                dump_path(self.run_dir, EVAL_FOLDER, step),
+                lambda: [trajectory_record(t, step, version) for t in trajectories],
+            )
         usable = [t for t in trajectories if not infra_failed(t)]
         if not usable:
             raise RuntimeError(
@@ -309,13 +444,18 @@ class Controller(RunLoop):
             # An answer lost to a dead service is not a wrong answer: it counts here only.
             "eval/infra_failed_trajectories": float(len(trajectories) - len(usable)),
             "eval/accuracy": measured["accuracy"],
-            "eval/pass@1": measured["accuracy"],
             "eval/reward_mean": measured["reward_mean"],
             "eval/tool_calls": measured["tool_calls"],
             "eval/tool_call_share": measured["tool_call_share"],
+            **sampled_metrics(usable, self.config.eval),
             "eval/step": float(self.step),
             "time/eval": time.monotonic() - started,
         }
+        if self.config.judge_training is not None:
+            verdicts = await self._judge(usable, f"eval{self.step}.judge", training=False)
+            ran = [j for j in verdicts if ran_ok(j)]
+            metrics["eval/judge_infra_failed_verdicts"] = float(len(verdicts) - len(ran))
+            metrics.update({f"eval/judge_{k}": v for k, v in judge_metrics(usable, ran).items()})
         # A held-out set of several datasets (Search-R1's NQ and HotpotQA) is reported by each.
         sources = sorted({t.data_source for t in usable})
         if len(sources) > 1:
@@ -323,7 +463,10 @@ class Controller(RunLoop):
                 of_source = [t for t in usable if t.data_source == source]
                 metrics[f"eval/accuracy/{source}"] = rollout_metrics(of_source)["accuracy"]
         self.report.log(self.step, metrics)
-        message = f"held-out accuracy {measured['accuracy']:.3f} on {len(trajectories)} prompts"
+        message = (
+            f"held-out accuracy {measured['accuracy']:.3f} on {len(self.held_out)} prompts x "
+            f"{self.config.eval.n} samples"
+        )
         self.emit(ProgressEvent(self.step, "eval", metrics, message))
 
     async def _checkpoint(self) -> None:
@@ -360,3 +503,16 @@ def _membership(members: list[RolloutReplica]) -> list[tuple[str, int]]:
     """Who is in a weight-sync group: a replica lost since the group formed is a new process,
     not a member, even back at its address."""
     return [(member.address, member.losses) for member in members]
+
+
+def check_loads_adapters(stats: list[rollout_pb2.GetStatsResponse]) -> None:
+    """Raises FailedPreconditionError, before anything is pushed, when a rollout replica's
+    engine does not load the LoRA adapters that `trainer.lora.push: adapter` sends it."""
+    refusing = sorted({reply.engine for reply in stats if not reply.loads_lora_adapters})
+    if refusing:
+        raise errors.FailedPreconditionError(
+            f"trainer.lora.push is 'adapter', but the rollout engine {', '.join(refusing)} does "
+            "not load LoRA adapters (GetStats loads_lora_adapters is false); set "
+            "trainer.lora.push: merged to push whole weights, or start the engine with LoRA "
+            "enabled (rollout engine_options.lora for sglang and vllm)"
+        )

@@ -1,6 +1,7 @@
 """Training and held-out data: prompts (RL) or written conversations (SFT), from verl-format
-parquet/JSONL files or a generated task's problems (calculator, search, code), and the
-epoch-wise order the controller draws batches in.
+parquet/JSONL files, `datasets` sources (the Hub, a dataset folder, a save_to_disk folder) or a
+generated task's problems (calculator, search, code), and the epoch-wise order the controller
+draws batches in.
 
 A verl RL record is {"prompt": [chat messages], "data_source": str, "reward_model":
 {"ground_truth": ...}, "extra_info": {"tools_kwargs": {...}, "interaction_kwargs": {...}, ...}};
@@ -20,7 +21,7 @@ from typing import Any, Generic, TypeVar
 import pyarrow.parquet as pq
 from google.protobuf import json_format
 
-from trainer_svc.config import DataConfig
+from trainer_svc.config import DataConfig, DatasetSource, DataSource
 from turnrl import calculator_data, code_problems, search_world
 from turnrl.calculator_data import TOOLS, CalculatorProblem
 from turnrl.code_problems import CodeProblem
@@ -90,39 +91,41 @@ def load_conversations(
     return _load(config, seed, read_conversations, _conversation_of_problem)
 
 
-def read_records(path: Path) -> list[PromptRecord]:
-    """The prompt records of one verl-format parquet or JSONL file."""
-    return [_record(row, f"{path.stem}-{index}", path) for index, row in enumerate(_rows(path))]
+def read_records(source: DataSource) -> list[PromptRecord]:
+    """The prompt records of one verl-format parquet or JSONL file or `datasets` source."""
+    name, where, rows = _rows(source)
+    return [_record(row, name, index, where) for index, row in enumerate(rows)]
 
 
-def read_conversations(path: Path) -> list[ConversationRecord]:
-    """The conversations of one parquet or JSONL file in verl's multi-turn SFT format."""
-    rows = _rows(path)
-    return [_conversation(row, f"{path.stem}-{index}", path) for index, row in enumerate(rows)]
+def read_conversations(source: DataSource) -> list[ConversationRecord]:
+    """The conversations of one file or `datasets` source in verl's multi-turn SFT format."""
+    name, where, rows = _rows(source)
+    return [_conversation(row, f"{name}-{index}", where) for index, row in enumerate(rows)]
 
 
 def _load(
     config: DataConfig,
     seed: int,
-    read_file: Callable[[Path], list[Record]],
+    read_file: Callable[[DataSource], list[Record]],
     of_problem: Callable[[GeneratedProblem, str, str], Record],
 ) -> tuple[list[Record], list[Record]]:
-    """Training and held-out records from the configured files, or from the generated task's
-    problems (`of_problem` makes a record of a problem, its id and its task)."""
-    if not config.train_files:
-        task = config.generated_task
+    """Training and held-out records from the configured files and `datasets` sources, or
+    from the generated task's problems (`of_problem` makes a record of a problem, its id and
+    its task): held-out ones when `eval_files` is empty and so is `train_files`."""
+    task = config.generated_task
 
-        def generated(count: int, split: Split) -> list[Record]:
-            problems = _generated_problems(config, count, seed, split)
-            return [
-                of_problem(p, f"{task}-{split}-{index}", task) for index, p in enumerate(problems)
-            ]
+    def generated(count: int, split: Split) -> list[Record]:
+        problems = _generated_problems(config, count, seed, split)
+        return [of_problem(p, f"{task}-{split}-{index}", task) for index, p in enumerate(problems)]
 
-        train = generated(config.generated_train_size, "train")
-        held_out = generated(config.generated_eval_size, "test")
+    if config.train_files:
+        train = [r for source in config.train_files for r in read_file(source)]
     else:
-        train = [r for path in config.train_files for r in read_file(path)]
-        held_out = [r for path in config.eval_files for r in read_file(path)]
+        train = generated(config.generated_train_size, "train")
+    if config.eval_files or config.train_files:
+        held_out = [r for source in config.eval_files for r in read_file(source)]
+    else:
+        held_out = generated(config.generated_eval_size, "test")
     if config.max_eval_prompts is not None:
         held_out = held_out[: config.max_eval_prompts]
     return train, held_out
@@ -140,22 +143,64 @@ def _generated_problems(
     )
 
 
-def _rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of one parquet or JSONL file."""
+def _rows(source: DataSource) -> tuple[str, str, list[dict[str, Any]]]:
+    """The rows of one parquet or JSONL file or `datasets` source, with the name its records'
+    ids open with and the source as error messages name it."""
+    if isinstance(source, DatasetSource):
+        return _dataset_rows(source)
+    where = f"data file {source}"
     try:
-        if path.suffix == ".parquet":
-            return pq.read_table(path).to_pylist()
-        if path.suffix in (".jsonl", ".json"):
-            return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if source.suffix == ".parquet":
+            return source.stem, where, pq.read_table(source).to_pylist()
+        if source.suffix in (".jsonl", ".json"):
+            lines = source.read_text().splitlines()
+            return source.stem, where, [json.loads(line) for line in lines if line.strip()]
     except (OSError, ValueError) as e:
-        raise ConfigError(f"data file {path}: {e}") from None
-    raise ConfigError(f"data file {path}: expected .parquet or .jsonl")
+        raise ConfigError(f"{where}: {e}") from None
+    raise ConfigError(
+        f"{where}: expected .parquet or .jsonl (a `datasets` source is an object: {{hf: ID, "
+        "split: SPLIT}} or {disk: FOLDER})"
+    )
 
 
-def _record(row: dict[str, Any], default_id: str, path: Path) -> PromptRecord:
-    """The prompt of one row, checked whole here: a row the rollout service's request cannot
-    carry fails the load, naming its field, never a step mid-run."""
-    where = f"data file {path}, record {default_id}"
+def _dataset_rows(source: DatasetSource) -> tuple[str, str, list[dict[str, Any]]]:
+    """The rows of a split of a Hub dataset or dataset folder (`datasets.load_dataset`, which
+    downloads to the Hugging Face cache unless HF_HUB_OFFLINE=1) or of a save_to_disk folder."""
+    # Imported here, not at the top: the lent GPU machine's image has no `datasets`, and its
+    # tests import the trainer (scripts/gpu_wheels.sh carries only what they need).
+    import datasets
+
+    place = source.hf or str(source.disk)
+    where = f"dataset {place!r}" + "".join(
+        f" {key} {value!r}"
+        for key, value in (("name", source.name), ("split", source.split))
+        if value is not None
+    )
+    try:
+        if source.hf is not None:
+            loaded = datasets.load_dataset(source.hf, source.name, split=source.split)
+        else:
+            loaded = datasets.load_from_disk(str(source.disk))
+    except (OSError, ValueError) as e:  # DatasetNotFoundError is an OSError
+        raise ConfigError(f"{where}: {e}") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if source.split not in loaded:
+            raise ConfigError(
+                f"{where}: the split {source.split!r} is not there; splits: {sorted(loaded)}"
+            )
+        loaded = loaded[source.split]
+    elif source.disk is not None and source.split is not None:
+        raise ConfigError(f"{where}: the folder holds one dataset, no splits; drop `split`")
+    name = "-".join(filter(None, (Path(place).name, source.name, source.split)))
+    return name, where, loaded.to_list()
+
+
+def _record(row: dict[str, Any], name: str, index: int, source: str) -> PromptRecord:
+    """The prompt of row `index` of a source's rows (its records' ids open with `name`;
+    `source` names it in errors), checked whole here: a row the rollout service's request
+    cannot carry fails the load, naming its field, never a step mid-run."""
+    default_id = f"{name}-{index}"
+    where = f"{source}, record {default_id}"
     messages = row.get("prompt")
     if not isinstance(messages, list) or not messages:
         raise ConfigError(f"{where}: `prompt` must be a non-empty list of chat messages")
@@ -167,9 +212,9 @@ def _record(row: dict[str, Any], default_id: str, path: Path) -> PromptRecord:
     if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
         raise ConfigError(f"{where}: `reward_model.ground_truth` is missing")
     _check_json(reward_model["ground_truth"], f"{where}: `reward_model.ground_truth")
-    index = extra_info.get("index")
+    given_index = extra_info.get("index")
     return PromptRecord(
-        prompt_id=f"{path.stem}-{index}" if index is not None else default_id,
+        prompt_id=f"{name}-{index if given_index is None else given_index}",
         messages=[_prompt_message(m, f"{where}: `prompt[{i}]") for i, m in enumerate(messages)],
         data_source=str(row.get("data_source", "")),
         ground_truth=reward_model["ground_truth"],
@@ -207,8 +252,8 @@ def _is_content_part(part: Any) -> bool:
     return part.get("type") == "image_url" and isinstance(image, dict) and "url" in image
 
 
-def _conversation(row: dict[str, Any], record_id: str, path: Path) -> ConversationRecord:
-    where = f"data file {path}, record {record_id}"
+def _conversation(row: dict[str, Any], record_id: str, source: str) -> ConversationRecord:
+    where = f"{source}, record {record_id}"
     messages = row.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ConfigError(f"{where}: `messages` must be a non-empty list of chat messages")

@@ -54,12 +54,20 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer_svc.batch import Batch, micro_batch_rows, shared_prefix_micro_batch_rows
-from trainer_svc.config import TrainSettings
+from trainer_svc.config import LoraSettings, TrainSettings
 from trainer_svc.forward import (
     can_share_prefixes,
     prefix_levels,
     shared_prefix_logprobs,
     whole_row_logprobs,
+)
+from trainer_svc.lora import (
+    adapter_state,
+    adapters_disabled,
+    add_lora_adapters,
+    merge_adapters,
+    save_adapter,
+    unadapted_state,
 )
 from turnrl.weights import BucketedWeights
 
@@ -146,6 +154,13 @@ def tied_aliases(model: torch.nn.Module) -> set[str]:
     return aliases
 
 
+def copy_tokenizer_files(tokenizer_dir: str | Path | None, folder: str | Path) -> None:
+    """Copies the Hugging Face tokenizer files `tokenizer_dir` has into `folder`."""
+    for name in TOKENIZER_FILES if tokenizer_dir else ():
+        if (Path(tokenizer_dir) / name).is_file():
+            shutil.copy2(Path(tokenizer_dir) / name, Path(folder) / name)
+
+
 class FsdpModel:
     """A transformers model with AdamW and its LR schedule, sharded over several ranks: what the
     policy and the critic share. Subclasses load the model and define its forward pass.
@@ -175,8 +190,10 @@ class FsdpModel:
         if self.is_sharded:
             apply_fsdp(model, init_device_mesh(self.device.type, (self.world_size,)), settings)
         self.model = model
+        # All of the model's parameters but frozen ones (a LoRA policy's base weights).
+        self.trainable_parameters = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            model.parameters(),
+            self.trainable_parameters,
             lr=settings.learning_rate,
             betas=settings.betas,
             weight_decay=settings.weight_decay,
@@ -187,6 +204,8 @@ class FsdpModel:
 
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
         """Model, optimizer and scheduler state, unsharded on CPU, for `torch.save` by rank 0.
+        The model state is that of the trainable parameters: with frozen ones (a LoRA policy's
+        base) the rest is the model the run started from.
 
         Under FSDP only rank 0's model and optimizer entries are filled; a checkpoint written
         by any number of ranks loads with any other number.
@@ -194,6 +213,9 @@ class FsdpModel:
         model_state, optimizer_state = get_state_dict(
             self.model, self.optimizer, options=FULL_ON_CPU
         )
+        if self._has_frozen_parameters():
+            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            model_state = {name: model_state[name] for name in model_state if name in trainable}
         scheduler_state = self.scheduler.state_dict()
         return {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler_state}
 
@@ -204,9 +226,15 @@ class FsdpModel:
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
-            options=StateDictOptions(full_state_dict=True),
+            # A model state of the trainable parameters leaves the frozen ones out.
+            options=StateDictOptions(
+                full_state_dict=True, strict=not self._has_frozen_parameters()
+            ),
         )
         self.scheduler.load_state_dict(state["scheduler"])
+
+    def _has_frozen_parameters(self) -> bool:
+        return len(self.trainable_parameters) < len(list(self.model.parameters()))
 
     def close(self) -> None:
         """Leaves the process group, if this model made it."""
@@ -312,7 +340,9 @@ class FsdpModel:
             [loss_total, token_weight, *(weighted[name] for name in names)]
         )
 
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.trainable_parameters, self.settings.grad_clip
+        )
         grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         if math.isfinite(grad_norm):
@@ -358,10 +388,22 @@ class FsdpModel:
 
 
 class FsdpPolicy(FsdpModel):
-    """The trained policy: a causal LM, its logprobs and train step, and its export."""
+    """The trained policy: a causal LM, its logprobs and train step, and its export.
 
-    def __init__(self, model_path: str | Path, settings: TrainSettings) -> None:
+    With `lora` (`trainer.lora`) the base model is frozen and only LoRA adapters train
+    (trainer_svc/lora.py), put on before sharding; the base is also the KL term's reference
+    (`reference_logprobs`), so no second copy of it is loaded. The weights it pushes and
+    exports in full are then the merged ones, under the base model's names.
+    """
+
+    def __init__(
+        self, model_path: str | Path, settings: TrainSettings, lora: LoraSettings | None = None
+    ) -> None:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.model_path = str(model_path)
+        self.lora = lora
+        # The last parts of the adapted layers' names (q_proj, ...); [] without LoRA.
+        self.adapter_target_modules = [] if lora is None else add_lora_adapters(model, lora)
         super().__init__(model, settings)
         self.shares_prefixes = settings.shared_prefix_forward and can_share_prefixes(model)
 
@@ -373,6 +415,14 @@ class FsdpPolicy(FsdpModel):
             batch, partial(self._forward, with_entropy=with_entropy)
         )
         return logprobs, entropy
+
+    def reference_logprobs(self, batch: Batch) -> Tensor:
+        """`logprobs` of the base model, the adapters switched off: the reference policy of a
+        LoRA run. Collective like `logprobs`."""
+        assert self.lora is not None, "only a LoRA policy holds its reference"
+        with adapters_disabled(self.model):
+            logprobs, _ = self.logprobs(batch)
+        return logprobs
 
     def train_step(
         self, batch: Batch, loss_fn: LossFn, *, with_entropy: bool = False
@@ -386,24 +436,40 @@ class FsdpPolicy(FsdpModel):
         return self._train_step(batch, micro_loss)
 
     def full_state_dict(self) -> dict[str, Tensor]:
-        """Unsharded fp32 weights on CPU under the model's Hugging Face names, a snapshot that
-        later steps leave alone. Under FSDP only rank 0 gets them; other ranks get {}."""
-        state = get_model_state_dict(self.model, options=FULL_ON_CPU)
+        """Unsharded fp32 weights on CPU under the model's Hugging Face names (with LoRA the
+        base model's, adapters merged in), a snapshot that later steps leave alone. Under FSDP
+        only rank 0 gets them; other ranks get {}."""
+        state = self._merged_state()
         if self.is_sharded:
             return state
         # Plain on CPU, the tensors are the live parameters.
         return {name: tensor.detach().clone() for name, tensor in state.items()}
 
+    def adapter_state_dict(self) -> dict[str, Tensor]:
+        """The LoRA adapters, unsharded on CPU, under the names of peft's
+        adapter_model.safetensors (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.
+        weight`, ...), copies later steps leave alone. Under FSDP only rank 0 gets them; other
+        ranks get {}."""
+        assert self.lora is not None, "a policy without LoRA has no adapters"
+        # Gathered whole, like the checkpoint's state; the adapters are a small part of it.
+        return adapter_state(get_model_state_dict(self.model, options=FULL_ON_CPU))
+
     def full_weights(
-        self, bucket_size_bytes: int, reuse: BucketedWeights | None = None
+        self,
+        bucket_size_bytes: int,
+        reuse: BucketedWeights | None = None,
+        *,
+        adapters_merged: bool = True,
     ) -> BucketedWeights | None:
         """The unsharded fp32 weights on CPU, laid out for a push in buckets of
         `bucket_size_bytes` (in `reuse`'s memory when given and large enough), still being
         copied in on return (`BucketedWeights.pack`): under FSDP the copy reads a gathered
         state dict of its own; in a plain process the live parameters, which the next step
         changes only after the push. A tied parameter goes once, under its first name
-        (`tied_aliases`). Under FSDP only rank 0 gets them; other ranks get None."""
-        state = get_model_state_dict(self.model, options=FULL_ON_CPU)
+        (`tied_aliases`). With LoRA they are the merged weights (`full_state_dict`), or
+        without `adapters_merged` the frozen base model's, which pushed adapters apply to.
+        Under FSDP only rank 0 gets them; other ranks get None."""
+        state = self._merged_state() if adapters_merged else self._base_state()
         if self.rank != 0:
             return None
         aliases = tied_aliases(self.model)
@@ -416,15 +482,42 @@ class FsdpPolicy(FsdpModel):
         )
 
     def save_pretrained(self, folder: str | Path, tokenizer_dir: str | Path | None = None) -> None:
+        """Writes the policy into `folder` on rank 0, with the tokenizer files of
+        `tokenizer_dir` copied beside it: with LoRA the adapters in peft's format
+        (adapter_config.json naming the base model, adapter_model.safetensors), which
+        `AutoModelForCausalLM.from_pretrained` loads on the base; otherwise the model as
+        `save_merged` writes it."""
+        if self.lora is None:
+            self.save_merged(folder, tokenizer_dir)
+            return
+        adapters = self.adapter_state_dict()
+        if self.rank != 0:
+            return
+        targets = self.adapter_target_modules
+        save_adapter(Path(folder), adapters, self.lora, targets, self.model_path)
+        copy_tokenizer_files(tokenizer_dir, folder)
+
+    def save_merged(self, folder: str | Path, tokenizer_dir: str | Path | None = None) -> None:
         """Writes the model in Hugging Face format (config, safetensors) into `folder` on rank 0,
-        with the tokenizer files of `tokenizer_dir` copied beside it."""
+        with LoRA's adapters merged in, and the tokenizer files of `tokenizer_dir` beside it."""
         state = self.full_state_dict()
         if self.rank != 0:
             return
         self.model.save_pretrained(folder, state_dict=state)
-        for name in TOKENIZER_FILES if tokenizer_dir else ():
-            if (Path(tokenizer_dir) / name).is_file():
-                shutil.copy2(Path(tokenizer_dir) / name, Path(folder) / name)
+        copy_tokenizer_files(tokenizer_dir, folder)
+
+    def _base_state(self) -> dict[str, Tensor]:
+        """The model's full state on CPU (rank 0; {} on the others) under the base model's
+        names, without LoRA's adapters."""
+        return unadapted_state(get_model_state_dict(self.model, options=FULL_ON_CPU))
+
+    def _merged_state(self) -> dict[str, Tensor]:
+        """The model's full state on CPU (rank 0; {} on the others) under the base model's
+        names, with LoRA's adapters merged in."""
+        state = get_model_state_dict(self.model, options=FULL_ON_CPU)
+        if self.lora is None or not state:
+            return state
+        return merge_adapters(state, self.lora)
 
     def _forward(self, micro: Batch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         with self._autocast():

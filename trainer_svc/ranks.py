@@ -31,22 +31,24 @@ import logging
 import os
 import queue
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, NoReturn, ParamSpec, TypeVar
 
 import torch.distributed as dist
 
 from trainer_svc.batch import Batch
 from trainer_svc.checkpoint import load_latest_checkpoint
+from trainer_svc.config import LoraSettings
 from trainer_svc.critic import FsdpCritic
 from trainer_svc.fsdp import FsdpPolicy, distributed_backend
 from turnrl.errors import ConfigError
-from turnrl.weights import BucketedWeights
+from turnrl.weights import BucketedWeights, LoraAdapter
 
 logger = logging.getLogger(__name__)
 # The other ranks wait for rank 0's next call for as long as the service waits for a run.
@@ -57,6 +59,8 @@ ALL_DONE = "all done"
 # collective ends at once (the failed rank shut its connections); a computation still running
 # after this (a collective on nccl) is left behind on its thread.
 LEAVE_BEHIND_SECONDS = 10.0
+# A LoRA run's exported model with its adapters merged in, inside the exported adapter folder.
+MERGED_MODEL = "merged"
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -67,9 +71,11 @@ class Models:
 
     policy: FsdpPolicy
     reference: FsdpPolicy | None = None  # the frozen policy of a KL term
-    critic: FsdpCritic | None = None  # PPO's value model (advantage_estimator gae)
+    critic: FsdpCritic | None = None  # PPO's value model (advantage_estimator gae or turn_gae)
     # The last push's weights, laid out for a push (rank 0): the next gather reuses the memory.
     push_weights: BucketedWeights | None = None
+    # With pushed LoRA adapters, the frozen base weights they apply to (rank 0), gathered once.
+    base_weights: BucketedWeights | None = None
 
 
 class RankFailedError(RuntimeError):
@@ -216,6 +222,18 @@ class Ranks:
         return call[0]
 
 
+def exit_without_finalizing(code: int = 0) -> NoReturn:
+    """Ends a process that joined process groups with `code` at once, its output flushed.
+    Finalizing the interpreter could abort it instead: a gloo thread that drops a finished
+    collective's tensors takes the GIL to, and Python 3.11 ends a thread that takes it while
+    the interpreter finalizes, inside that C++ destructor, which aborts the process
+    ("terminate called without an active exception", at one exit in 20 on 2 ranks)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 class ComputeThread:
     """One daemon thread that runs the functions given to it in turn. A daemon: one left
     waiting in a collective for a rank that failed does not hold the process at its exit."""
@@ -276,7 +294,7 @@ def restore(models: Models, run_dir: Path) -> dict[str, Any] | None:
     if models.critic is not None and "critic" not in state:
         raise ConfigError(
             f"the checkpoint of step {state['step']} in {run_dir} holds no critic (its run did "
-            "not use advantage_estimator gae); resume with the run's own algorithm"
+            "not use advantage_estimator gae or turn_gae); resume with the run's own algorithm"
         )
     models.policy.load_checkpoint_state(state["policy"])
     if models.critic is not None:
@@ -292,13 +310,40 @@ def checkpoint_state(models: Models) -> dict[str, Any]:
     return state
 
 
-def gather_weights(models: Models, bucket_size_bytes: int) -> BucketedWeights | None:
-    """The policy's full weights laid out for a push, in the last push's memory (rank 0; None
-    on the others)."""
-    models.push_weights = models.policy.full_weights(bucket_size_bytes, models.push_weights)
+def gather_weights(
+    models: Models, bucket_size_bytes: int, adapters: bool
+) -> BucketedWeights | None:
+    """What a push of the policy carries, laid out for it (rank 0; None on the others): its
+    LoRA adapters alone with `adapters` (`pushed_adapter`; the first call gathers the base
+    weights they apply to as well, into `models.base_weights`), else its full weights (the
+    adapters merged in, under LoRA) in the last push's memory."""
+    if adapters:
+        if models.base_weights is None:
+            models.base_weights = models.policy.full_weights(
+                bucket_size_bytes, adapters_merged=False
+            )
+        state = models.policy.adapter_state_dict()
+        models.push_weights = (
+            BucketedWeights.pack(state.items(), bucket_size_bytes) if state else None
+        )
+    else:
+        models.push_weights = models.policy.full_weights(bucket_size_bytes, models.push_weights)
     return models.push_weights
 
 
+def pushed_adapter(lora: LoraSettings | None, policy: FsdpPolicy) -> LoraAdapter | None:
+    """The adapter a push of `policy`, trained with `lora` (`trainer.lora`), carries when
+    `lora.push` is "adapter"; None when pushes carry full weights (full fine-tuning, or
+    `push: merged`)."""
+    if lora is None or lora.push != "adapter":
+        return None
+    return LoraAdapter(lora.rank, lora.alpha, tuple(policy.adapter_target_modules))
+
+
 def save_pretrained(models: Models, folder: Path, tokenizer_dir: str) -> None:
-    """The policy in Hugging Face format, written by rank 0."""
-    models.policy.save_pretrained(folder, tokenizer_dir)
+    """The policy in Hugging Face format, written by rank 0: with LoRA its adapters in peft's
+    format, and with `trainer.lora.export_merged` the merged model in folder/merged too."""
+    policy = models.policy
+    policy.save_pretrained(folder, tokenizer_dir)
+    if policy.lora is not None and policy.lora.export_merged:
+        policy.save_merged(folder / MERGED_MODEL, tokenizer_dir)

@@ -53,8 +53,9 @@ class Admission(enum.Enum):
 class ReplayBuffer:
     """Complete groups in the order they completed; holds only their usable trajectories."""
 
-    def __init__(self, dynamic_sampling: bool) -> None:
+    def __init__(self, dynamic_sampling: bool, enable_turn_rewards: bool = False) -> None:
         self._dynamic_sampling = dynamic_sampling
+        self._enable_turn_rewards = enable_turn_rewards
         self._groups: deque[Group] = deque()
 
     def __len__(self) -> int:
@@ -67,7 +68,9 @@ class ReplayBuffer:
         usable = [t for t in group.trajectories if trainable(t)]
         if not usable:
             return Admission.UNUSABLE
-        if self._dynamic_sampling and not keep_groups_with_signal(usable):
+        if self._dynamic_sampling and not keep_groups_with_signal(
+            usable, enable_turn_rewards=self._enable_turn_rewards
+        ):
             return Admission.FILTERED
         group.trajectories = usable
         self._groups.append(group)

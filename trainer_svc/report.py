@@ -1,8 +1,9 @@
-"""What a run leaves behind: metrics per step (metrics.jsonl and wandb), and at the end
-curves.png (RL: reward and held-out accuracy against step; SFT: training and held-out loss) and
-summary.json."""
+"""What a run leaves behind: metrics per step (metrics.jsonl and the trackers of
+trainer.loggers, trainer_svc.trackers), and at the end curves.png (RL: reward and held-out
+accuracy against step; SFT: training and held-out loss) and summary.json."""
 
 import json
+import numbers
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,9 @@ import matplotlib
 matplotlib.use("Agg")  # files only; the service has no display
 
 import matplotlib.pyplot as plt
+
+from trainer_svc.config import TrainerConfig
+from trainer_svc.trackers import Trackers
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -46,40 +50,29 @@ class RunReport:
     def __init__(
         self,
         run_dir: Path,
-        run_name: str,
-        wandb_mode: str,
-        config: dict[str, Any],
+        config: TrainerConfig,
         plot: Plot,
         resumed_step: int | None = None,
     ) -> None:
         """`resumed_step`: the checkpoint's step a resumed run continues from; what the run
-        logged after it (before it was killed) is dropped, as it will be logged again."""
+        logged after it (before it was killed) is dropped, as it will be logged again. Opens
+        the trackers of `config.loggers`, which can take seconds (wandb starts a process)."""
         self.run_dir = run_dir
         self.plot = plot
         path = run_dir / METRICS_FILE
         self.history = _read_history(path, resumed_step) if resumed_step is not None else []
         path.write_text("".join(json.dumps(record) + "\n" for record in self.history))
-        # Imported here, not at the top: modules that only name the plots (the SFT warm start,
-        # the tiny model's build) then run without wandb, as on the GPU machine, which gets
-        # turnrl's dependencies as wheels within 64 MiB (scripts/gpu_wheels.sh).
-        import wandb
+        self.trackers = Trackers(config, run_dir, resumed_step)
 
-        self._wandb = wandb.init(
-            project="turnrl",
-            name=run_name,
-            id=run_name,
-            resume="allow",
-            dir=run_dir,
-            mode=wandb_mode,
-            config=config,
-        )
-
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Appends a step's metrics to metrics.jsonl, and its numbers to the trackers (which
+        plot numbers only)."""
         record = {"step": step, "time": time.time(), **metrics}
         self.history.append(record)
         with (self.run_dir / METRICS_FILE).open("a") as file:
             file.write(json.dumps(record) + "\n")
-        self._wandb.log(metrics, step=step)
+        scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, numbers.Real)}
+        self.trackers.log(step, scalars)
 
     def last(self, name: str) -> float | None:
         """The latest logged value of `name`."""
@@ -89,12 +82,16 @@ class RunReport:
         return next((r[name] for r in self.history if name in r), None)
 
     def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
-        """Writes curves.png and summary.json (with their paths added); closes wandb."""
-        summary = {**summary, "curves": str(self.run_dir / CURVES_FILE)}
+        """Writes curves.png and summary.json (with their paths added, and `tracker_errors`:
+        the trackers that failed, each with its error); closes the trackers."""
+        summary = {
+            **summary,
+            "curves": str(self.run_dir / CURVES_FILE),
+            "tracker_errors": self.trackers.errors,  # a tracker failing to finish adds to it
+        }
         self._plot(self.run_dir / CURVES_FILE)
+        self.trackers.finish(summary)
         (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-        self._wandb.summary.update(summary)
-        self._wandb.finish()
         return summary
 
     def _plot(self, path: Path) -> None:

@@ -8,6 +8,8 @@ both the engine's segments and `FsdpPolicy.logprobs`; `values[:, t]` is the valu
 token t was chosen in (`FsdpCritic.values`).
 """
 
+import collections
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,10 +18,10 @@ from torch import Tensor
 from trainer_svc.advantages import (
     apply_kl_penalty,
     compute_advantages,
-    groups_with_signal,
     sequence_rewards_to_tokens,
+    turn_rewards_to_tokens,
 )
-from trainer_svc.batch import Batch
+from trainer_svc.batch import Batch, pad_rows
 from trainer_svc.config import AlgorithmConfig, CriticConfig, TrainerConfig
 from trainer_svc.critic import FsdpCritic
 from trainer_svc.fsdp import FsdpPolicy
@@ -39,38 +41,89 @@ from turnrl.trajectory import FinishReason, SegmentSource, Trajectory
 
 @dataclass
 class RolloutBatch:
-    """Trajectories of one step as padded tensors, with their rewards and groups."""
+    """Trajectories of one step as padded tensors, a row per part (`Trajectory.parts`: one
+    for most), with their rewards, groups and trajectories."""
 
     batch: Batch  # extras: rollout_logprobs, and policy_staleness given a policy_version
-    rewards: Tensor  # (B,)
+    rewards: Tensor  # (B,) each row its trajectory's
     group_index: Tensor  # (B,) long
     trajectories: list[Trajectory]
+    # (B,) long: each row's trajectory, the sequence the group estimators score once.
+    sequence_index: Tensor | None = None
+    # (B, T) long: each model token's turn in its trajectory (`Trajectory.model_turn_spans`;
+    # parts continue their trajectory's count), -1 on the other tokens.
+    turn_index: Tensor | None = None
+    # (B, K) each row its trajectory's summed `turn_rewards` per turn, K the batch's most turns.
+    turn_rewards: Tensor | None = None
 
 
 def rollout_batch(
     trajectories: list[Trajectory], pad_token_id: int, policy_version: int | None = None
 ) -> RolloutBatch:
-    """Tensors of `trajectories`; each needs at least one model token (`trainable`). Given the
-    `policy_version` of the trainer's weights, the extra "policy_staleness" holds each model
-    token's versions behind it (0 on the other tokens). Raises ValueError for a model token
-    newer than `policy_version`."""
-    extras = {"rollout_logprobs": [t.rollout_logprobs for t in trajectories]}
+    """Tensors of `trajectories`, a row per part; each needs at least one model token
+    (`trainable`). Given the `policy_version` of the trainer's weights, the extra
+    "policy_staleness" holds each model token's versions behind it (0 on the other tokens).
+    Raises ValueError for a model token newer than `policy_version`."""
+    rows = [(i, part) for i, t in enumerate(trajectories) for part in t.parts]
+
+    def per_row(values_of: Callable[[Trajectory], list]) -> list[list]:
+        values = [values_of(t) for t in trajectories]
+        return [values[i][start:end] for i, (start, end) in rows]
+
+    extras = {"rollout_logprobs": per_row(lambda t: t.rollout_logprobs)}
     if policy_version is not None:
-        extras["policy_staleness"] = [_token_staleness(t, policy_version) for t in trajectories]
-    group_index = _group_index(trajectories)
+        extras["policy_staleness"] = per_row(lambda t: _token_staleness(t, policy_version))
+    sequence_index = torch.tensor([i for i, _ in rows])
+    group_index = _group_index(trajectories)[sequence_index]
     batch = Batch.from_sequences(
-        [t.token_ids for t in trajectories],
-        [t.loss_mask for t in trajectories],
+        per_row(lambda t: t.token_ids),
+        per_row(lambda t: t.loss_mask),
         extras,
         pad_token_id,
         groups=group_index.tolist(),
     )
+    width = batch.input_ids.shape[1]
     return RolloutBatch(
         batch=batch,
-        rewards=_rewards(trajectories),
+        rewards=_rewards(trajectories)[sequence_index],
         group_index=group_index,
         trajectories=trajectories,
+        sequence_index=sequence_index,
+        turn_index=pad_rows(per_row(_token_turns), width, -1, torch.long),
+        turn_rewards=_turn_rewards(trajectories)[sequence_index],
     )
+
+
+def _token_turns(trajectory: Trajectory) -> list[int]:
+    """Each token's model turn (`Trajectory.model_turn_spans`), -1 off model tokens."""
+    turns = [-1] * len(trajectory.token_ids)
+    for turn, (start, end) in enumerate(trajectory.model_turn_spans()):
+        turns[start:end] = [turn] * (end - start)
+    return turns
+
+
+def _turn_rewards(trajectories: list[Trajectory]) -> Tensor:
+    """(trajectories, the most model turns of one): the sum of each turn's `turn_rewards`."""
+    summed = [_summed_turn_rewards(t) for t in trajectories]
+    rewards = torch.zeros(len(trajectories), max(map(len, summed), default=0))
+    for row, turns in enumerate(summed):
+        rewards[row, : len(turns)] = torch.tensor(turns)
+    return rewards
+
+
+def _summed_turn_rewards(trajectory: Trajectory) -> list[float]:
+    """Each model turn's turn rewards summed, in turn order. Raises ValueError for a turn
+    reward of a turn the trajectory does not have (as `Trajectory.from_proto` does)."""
+    summed = [0.0] * len(trajectory.model_turn_spans())
+    for reward in trajectory.turn_rewards:
+        if not 0 <= reward.turn < len(summed):
+            raise ValueError(
+                f"trajectory {trajectory.trajectory_id!r}: a {reward.source.name.lower()} "
+                f"reward from {reward.name!r} is for turn {reward.turn}, but the trajectory "
+                f"has {len(summed)} model turns"
+            )
+        summed[reward.turn] += reward.value
+    return summed
 
 
 def _token_staleness(trajectory: Trajectory, policy_version: int) -> list[float]:
@@ -146,18 +199,26 @@ def infra_failed(trajectory: Trajectory) -> bool:
     )
 
 
-def keep_groups_with_signal(trajectories: list[Trajectory]) -> list:
-    """DAPO's dynamic sampling: the trajectories of groups whose rewards are not all equal."""
-    if not trajectories:
-        return []
-    keep = groups_with_signal(_rewards(trajectories), _group_index(trajectories))
-    return [t for t, kept in zip(trajectories, keep.tolist(), strict=True) if kept]
+def keep_groups_with_signal(
+    trajectories: list[Trajectory], *, enable_turn_rewards: bool = False
+) -> list[Trajectory]:
+    """DAPO's dynamic sampling: the trajectories of groups whose rewards are not all equal.
+    With `enable_turn_rewards`, a trajectory's rewards are its outcome and each turn's summed
+    turn rewards, so a group whose outcomes agree but whose turns earned differently is kept:
+    the turn-level estimators find signal there."""
+    rewards_by_group: dict[str, set[tuple[float, ...]]] = collections.defaultdict(set)
+    for trajectory in trajectories:
+        rewards = (trajectory.reward.score,)
+        if enable_turn_rewards:
+            rewards += tuple(_summed_turn_rewards(trajectory))
+        rewards_by_group[trajectory.group_id].add(rewards)
+    return [t for t in trajectories if len(rewards_by_group[t.group_id]) > 1]
 
 
 def prepare_update(
     rollouts: RolloutBatch,
     policy: FsdpPolicy,
-    reference: FsdpPolicy | None,
+    reference_logprobs: Callable[[Batch], Tensor] | None,
     critic: FsdpCritic | None,
     algorithm: AlgorithmConfig,
 ) -> dict[str, float]:
@@ -168,14 +229,17 @@ def prepare_update(
     fit.
 
     old_logprobs are the proximal policy of decoupled PPO, the engine's rollout_logprobs its
-    behaviour policy (`behaviour_importance_weights`)."""
+    behaviour policy (`behaviour_importance_weights`); `reference_logprobs` gives the KL
+    term's reference logprobs of a batch (`kl_reference`)."""
     batch = rollouts.batch
     old_logprobs, _ = policy.logprobs(batch)
     batch.extras["old_logprobs"] = old_logprobs
     token_rewards = sequence_rewards_to_tokens(rollouts.rewards, batch.loss_mask)
+    if algorithm.enable_turn_rewards:
+        token_rewards = token_rewards + _turn_token_rewards(rollouts)
     metrics = _behaviour_metrics(batch, algorithm.importance_cap)
-    if reference is not None:
-        ref_logprobs, _ = reference.logprobs(batch)
+    if reference_logprobs is not None:
+        ref_logprobs = reference_logprobs(batch)
         batch.extras["ref_logprobs"] = ref_logprobs
         kl = kl_estimate(old_logprobs, ref_logprobs, algorithm.kl_estimator)
         metrics["kl_to_reference"] = float(aggregate(kl, batch.loss_mask, "token-mean"))
@@ -195,16 +259,33 @@ def prepare_update(
         algorithm.advantage_estimator,
         token_rewards=token_rewards,
         group_index=rollouts.group_index,
+        sequence_index=rollouts.sequence_index,
+        turn_index=rollouts.turn_index,
         loss_mask=batch.loss_mask,
         values=old_values,
         gamma=algorithm.gamma,
         lam=algorithm.gae_lambda,
+        turn_gamma=algorithm.turn_gamma,
     )
     batch.extras["advantages"] = advantages
-    if returns is not None:  # gae, whose values came from the critic
+    if returns is not None:  # gae or turn_gae, whose values came from the critic
         batch.extras["returns"] = returns
         metrics.update(_critic_fit_metrics(old_values, returns, batch.loss_mask))
     return metrics
+
+
+def _turn_token_rewards(rollouts: RolloutBatch) -> Tensor:
+    """The batch's per-turn rewards on the last token of their turns (`turn_rewards_to_tokens`).
+    Raises ValueError for a trajectory in parts with turn rewards: the group estimators score a
+    trajectory by its rows' mean reward, which would divide its turn rewards by its parts."""
+    for trajectory in rollouts.trajectories:
+        if len(trajectory.parts) > 1 and trajectory.turn_rewards:
+            raise ValueError(
+                f"trajectory {trajectory.trajectory_id!r} is in {len(trajectory.parts)} parts "
+                "and has turn rewards; algorithm.enable_turn_rewards takes trajectories of one "
+                "part (an agent that keeps its history)"
+            )
+    return turn_rewards_to_tokens(rollouts.turn_rewards, rollouts.turn_index)
 
 
 def _behaviour_metrics(batch: Batch, cap: float) -> dict[str, float]:
@@ -227,20 +308,32 @@ def _behaviour_metrics(batch: Batch, cap: float) -> dict[str, float]:
 
 
 def rl_models(config: TrainerConfig, model_path: str) -> Models:
-    """The policy of an RL run, its frozen reference when the loss has a KL term, and its critic
-    with gae; their LR schedules span the run's updates."""
+    """The policy of an RL run (with `trainer.lora`, adapters on a frozen base), its frozen
+    reference when the loss has a KL term (with LoRA none: the base is the reference,
+    `kl_reference`), and its critic with gae or turn_gae, always fully trained; their LR
+    schedules span the run's updates."""
     algorithm = config.algorithm
     updates_per_step = algorithm.ppo_epochs * algorithm.mini_batches
-    # critic_only_steps is 0 unless gae (the config refuses a critic section otherwise).
+    # critic_only_steps is 0 without a critic (the config refuses a critic section then).
     policy_steps = config.steps - config.critic.critic_only_steps
     optim = config.optim.for_run(policy_steps * updates_per_step)
-    models = Models(policy=FsdpPolicy(model_path, optim))
-    if algorithm.kl_coef > 0:
+    models = Models(policy=FsdpPolicy(model_path, optim, config.lora))
+    if algorithm.kl_coef > 0 and config.lora is None:
         models.reference = FsdpPolicy(model_path, optim)
-    if algorithm.advantage_estimator == "gae":
+    if algorithm.trains_critic:
         critic_optim = config.critic.optim.for_run(config.steps * updates_per_step)
         models.critic = FsdpCritic(config.critic.model_path or model_path, critic_optim)
     return models
+
+
+def kl_reference(models: Models, algorithm: AlgorithmConfig) -> Callable[[Batch], Tensor] | None:
+    """The logprobs of a batch under the KL term's reference policy: the frozen reference
+    model's, or a LoRA policy's with its adapters off; None without a KL term."""
+    if algorithm.kl_coef == 0:
+        return None
+    if models.reference is None:
+        return models.policy.reference_logprobs
+    return lambda batch: models.reference.logprobs(batch)[0]
 
 
 def rl_update(
@@ -253,11 +346,12 @@ def rl_update(
     """One step's update (on every rank): recomputes logprobs (and values) of the whole batch,
     each rank its share of the rows, gathered on every rank (`FsdpModel._per_token`), computes
     advantages, then trains on each of `mini_batch_rows` in turn (the PPO epochs'
-    mini-batches), a critic step (with gae) then a policy step, each rank on its share of the
-    rows. Returns the step's metrics, equal on every rank."""
+    mini-batches), a critic step (with gae or turn_gae) then a policy step, each rank on its
+    share of the rows. Returns the step's metrics, equal on every rank."""
     algorithm = config.algorithm
     policy, critic = models.policy, models.critic
-    metrics = prepare_update(rollouts, policy, models.reference, critic, algorithm)
+    reference_logprobs = kl_reference(models, algorithm)
+    metrics = prepare_update(rollouts, policy, reference_logprobs, critic, algorithm)
     normalizer = config.rollout.max_response_length or rollouts.batch.input_ids.shape[1]
     loss_fn = make_loss_fn(algorithm, normalizer)
     value_loss_fn = make_value_loss_fn(algorithm, config.critic, normalizer)
@@ -375,7 +469,8 @@ def mini_batches(size: int, count: int, generator: torch.Generator) -> list[list
 
 def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     """Reward, accuracy, lengths, turns and tool use of a set of trajectories (the loops count
-    the ones `infra_failed` apart: those are left out of these figures)."""
+    the ones `infra_failed` apart: those are left out of these figures). "turn_reward_mean" is
+    the mean per trajectory of its summed `turn_rewards`, trained on or not."""
     count = max(len(trajectories), 1)
     rewards = torch.tensor([t.reward.score for t in trajectories] or [0.0])
     response_lengths = [t.response_length for t in trajectories]
@@ -388,6 +483,7 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         "tool_calls": sum(t.metrics["tool_calls"] for t in trajectories) / count,
         "tool_call_share": sum(t.metrics["tool_calls"] > 0 for t in trajectories) / count,
         "tool_errors": sum(t.metrics["tool_errors"] for t in trajectories) / count,
+        "turn_reward_mean": sum(r.value for t in trajectories for r in t.turn_rewards) / count,
     }
 
 

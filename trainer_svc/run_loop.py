@@ -1,10 +1,11 @@
 """What the loop of every kind of run shares: the RL `Controller` (trainer_svc/controller.py)
 and the SFT `SftController` (trainer_svc/sft.py) are both a `RunLoop`, which holds the run's
 step, its stop and checkpoint requests, its report and the end of the run (a last checkpoint,
-the exported model, summary.json)."""
+the exported model, its upload to the Hub, summary.json)."""
 
 import abc
 import asyncio
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,13 +14,15 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from trainer_svc.checkpoint import save_checkpoint
+from trainer_svc.checkpoint import CHECKPOINTS, save_checkpoint
 from trainer_svc.config import TrainerConfig
 from trainer_svc.data import EpochSampler
+from trainer_svc.hub import HubPublisher, HubUploadError
 from trainer_svc.ranks import Ranks, restore, save_pretrained
 from trainer_svc.report import Plot, RunReport
 
-FINAL_MODEL = "final_model"  # the last policy in Hugging Face format, beside summary.json
+# The last policy in Hugging Face format (with LoRA, peft's adapter folder), beside summary.json.
+FINAL_MODEL = "final_model"
 
 
 @dataclass
@@ -27,7 +30,7 @@ class ProgressEvent:
     """One finished stage of a run."""
 
     step: int
-    stage: str  # setup, rollout, train, push, eval, checkpoint, done
+    stage: str  # setup, rollout, train, push, eval, checkpoint, upload, done
     metrics: dict[str, float] = field(default_factory=dict)
     message: str = ""
 
@@ -42,8 +45,9 @@ class CheckpointRequest:
 class RunLoop(abc.ABC):
     """What the loop of every kind of run shares (the RL `Controller` here, and
     trainer_svc.sft.SftController): its step, stop and checkpoint requests, its report, and the
-    end of the run. A subclass's `run` builds its models with `ranks.build`, writes checkpoints
-    with `_checkpoint` and describes the run with `_summary`."""
+    end of the run. A subclass's `run` builds its models with `ranks.build`, opens its report
+    and its Hub repo (`_open_report`, `_open_hub_repo`), writes checkpoints with `_checkpoint`
+    and describes the run with `_summary`."""
 
     sampler: EpochSampler
     report: RunReport
@@ -64,6 +68,7 @@ class RunLoop(abc.ABC):
         self.stop_requested = False
         self.checkpoint_requests: list[CheckpointRequest] = []
         self._checkpointed_step = -1
+        self.publisher: HubPublisher | None = None  # with trainer.push_to_hub, from setup on
 
     def _planned_steps(self) -> int:
         """The run's length as known before setup (a subclass may count it from its data)."""
@@ -72,13 +77,18 @@ class RunLoop(abc.ABC):
     def request_stop(self) -> None:
         self.stop_requested = True
 
+    def close(self) -> None:
+        """Lets go of what a run that ended, or failed, may still hold: an upload to the Hub."""
+        if self.publisher is not None:
+            self.publisher.close()
+
     @abc.abstractmethod
     async def run(self, resume: bool) -> dict[str, Any]:
         """Trains to `total_steps` or a stop; returns the summary written to summary.json."""
 
     @abc.abstractmethod
     async def _train_step(self) -> None:
-        """Takes the next step, then `_evaluate_and_checkpoint_when_due`."""
+        """Takes the next step, then `_finish_step`."""
 
     @abc.abstractmethod
     async def _evaluate(self) -> None:
@@ -110,15 +120,26 @@ class RunLoop(abc.ABC):
             self.step = self._checkpointed_step = state["step"]
         return state
 
-    def _open_report(self, resumed: bool, plot: Plot) -> None:
-        self.report = RunReport(
-            self.run_dir,
-            self.run_dir.name,
-            self.config.wandb_mode,
-            self.config.model_dump(mode="json"),
-            plot,
-            resumed_step=self.step if resumed else None,
+    async def _open_report(self, resumed: bool, plot: Plot) -> None:
+        """Opens the run's report and its trackers, off the loop (wandb takes seconds)."""
+        resumed_step = self.step if resumed else None
+        self.report = await asyncio.to_thread(
+            RunReport, self.run_dir, self.config, plot, resumed_step
         )
+
+    async def _open_hub_repo(self) -> None:
+        """With trainer.push_to_hub, creates the repo unless it exists, before the first step:
+        a token or repo the Hub refuses fails the run now (HubUploadError)."""
+        if self.config.push_to_hub is None:
+            return
+        self.publisher = HubPublisher(self.config.push_to_hub, self.run_dir.name, self._on_upload)
+        await self.publisher.open_repo()
+
+    def _on_upload(self, metrics: dict[str, float], message: str) -> None:
+        """An upload's result (`message` names its step), logged and sent at the run's current
+        step: the upload's may be past, and the steps a run logs go forward."""
+        self.report.log(self.step, metrics)
+        self.emit(ProgressEvent(self.step, "upload", metrics, message))
 
     async def _train_to_end(self) -> None:
         """Evaluates the starting policy, steps to `total_steps` or a stop, evaluates the last."""
@@ -129,15 +150,22 @@ class RunLoop(abc.ABC):
         if self.report.last("eval/step") != self.step:
             await self._evaluate()
 
-    async def _evaluate_and_checkpoint_when_due(self) -> None:
+    async def _finish_step(self) -> None:
         """The end of a step: evaluate every `eval_every` steps (the last step's evaluation is
-        the run's final one), checkpoint every `checkpoint_every` steps or when asked to."""
+        the run's final one), checkpoint every `checkpoint_every` steps or when asked to, start
+        an upload to the Hub every `push_to_hub.every_n_steps`."""
         every = self.config.eval_every
         if every and self.step % every == 0 and self.step < self.total_steps:
             await self._evaluate()
         every = self.config.checkpoint_every
         if (every and self.step % every == 0) or self.checkpoint_requests:
             await self._checkpoint()
+        last = self.step == self.total_steps  # whose upload is the final model's
+        if self.publisher is not None and not last and self.publisher.ready_for(self.step):
+            # The export is this step's (the model trains on); its upload runs in the background.
+            folder = tempfile.mkdtemp(prefix=f".upload-step_{self.step:06d}-", dir=self.run_dir)
+            await self.ranks.run(save_pretrained, Path(folder), self.config.model_path)
+            self.publisher.start_step_upload(self.step, Path(folder))
 
     async def _save_checkpoint(self, tensors: dict[str, Any], loop_state: dict[str, Any]) -> None:
         """Writes `tensors` (the models' state) and `loop_state` (JSON values) as this step's
@@ -153,11 +181,29 @@ class RunLoop(abc.ABC):
 
     async def _finish(self, model_path: str, started: float) -> dict[str, Any]:
         """Ends the run: a checkpoint of its last step, the policy in Hugging Face format in
-        final_model/, then curves.png and summary.json; returns the summary."""
+        final_model/ (`ranks.save_pretrained`) and, with push_to_hub, its upload, then
+        curves.png and summary.json, which also counts the parameters trained (with LoRA, the
+        adapters') and says where the upload went; returns the summary. Raises HubUploadError,
+        after writing summary.json, when the final upload failed."""
         if self._checkpointed_step != self.step:
             await self._checkpoint()
         export = self.run_dir / FINAL_MODEL
         await self.ranks.run(save_pretrained, export, model_path)
-        summary = self.report.finish(self._summary(time.monotonic() - started))
-        self.emit(ProgressEvent(self.step, "done", message=f"summary {self.run_dir}/summary.json"))
+        summary = self._summary(time.monotonic() - started)
+        trained = self.ranks.models.policy.trainable_parameters
+        summary["trainable_parameters"] = sum(parameter.numel() for parameter in trained)
+        hub = None
+        if self.publisher is not None:
+            hub = await self.publisher.finish(self.step, export, self.run_dir / CHECKPOINTS)
+            summary["hub"] = hub
+        summary = await asyncio.to_thread(self.report.finish, summary)
+        message = f"summary {self.run_dir}/summary.json"
+        if hub is not None:
+            if hub["final_upload_error"] is not None:
+                raise HubUploadError(
+                    f"the final model was not uploaded to {hub['repo_id']!r} "
+                    f"({hub['final_upload_error']}); it is in {export}"
+                )
+            message += f"; uploaded to {hub['commit_url']}"
+        self.emit(ProgressEvent(self.step, "done", message=message))
         return summary

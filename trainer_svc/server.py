@@ -10,10 +10,12 @@ import sys
 from collections.abc import Sequence
 
 from trainer_svc.config import TrainerConfig
-from trainer_svc.ranks import Ranks
+from trainer_svc.metrics import trainer_metrics
+from trainer_svc.ranks import Ranks, exit_without_finalizing
 from trainer_svc.service import RunEvent, RunRecord, TrainerService
 from turnrl import rpc, service_main
 from turnrl.errors import ConfigError
+from turnrl.metrics import loop_registry
 from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
 
 
@@ -72,6 +74,7 @@ async def serve(config: TrainerConfig) -> None:
             lambda server: trainer_pb2_grpc.add_TrainerServiceServicer_to_server(
                 TrainerServicer(service), server
             ),
+            metrics=loop_registry(lambda: trainer_metrics(service)),
         )
     finally:
         await service.close()
@@ -90,7 +93,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         nproc = f"--nproc-per-node={config.ranks}"
         os.execv(sys.executable, [*torchrun, nproc, "-m", "trainer_svc", *argv])
-    service_main.run("trainer", serve, config)
+    try:
+        service_main.run("trainer", serve, config)
+    except SystemExit as e:
+        if "WORLD_SIZE" not in os.environ:
+            raise
+        # One of several ranks, in their process groups still.
+        exit_without_finalizing(e.code if isinstance(e.code, int) else 1)
 
 
 def _run_proto(record: RunRecord) -> trainer_pb2.Run:

@@ -16,12 +16,14 @@ from typing import Any
 import yaml
 
 from trainer_svc.async_controller import AsyncController
-from trainer_svc.config import RUNS_FOLDER, TrainerConfig
+from trainer_svc.config import RUN_LOGS_FOLDER, RUNS_FOLDER, TrainerConfig
 from trainer_svc.controller import Controller
+from trainer_svc.eval_run import EvalRun
 from trainer_svc.ranks import Ranks
 from trainer_svc.run_loop import CheckpointRequest, ProgressEvent, RunLoop
 from trainer_svc.sft import SftController
-from turnrl.config import validate_config
+from trainer_svc.trackers import require_packages
+from turnrl.config import read_secret_env, validate_config
 from turnrl.errors import (
     AlreadyExistsError,
     ConfigError,
@@ -36,6 +38,7 @@ LOOPS: dict[str, type[RunLoop]] = {
     "sync": Controller,
     "async": AsyncController,
     "sft": SftController,
+    "eval": EvalRun,
 }
 
 
@@ -59,7 +62,7 @@ class RunEvent:
 
     state: RunState  # the run's state when the entry was made
     step: int
-    stage: str  # setup, rollout, train, push, eval, checkpoint, done; or state
+    stage: str  # setup, rollout, train, push, eval, checkpoint, upload, done; or state
     metrics: dict[str, float]
     message: str
     time: float  # seconds since the epoch
@@ -122,6 +125,13 @@ class TrainerService:
                     "`up` and `run` set a null one to the config's tiny_model)"
                 )
             config = config.model_copy(update={"model_path": self._model_path})
+        if config.push_to_hub is not None:
+            try:
+                read_secret_env(config.push_to_hub.token_env)
+            except ConfigError as e:
+                raise InvalidArgumentError(
+                    f"trainer.push_to_hub.token_env: {e} (in the trainer service's environment)"
+                ) from None
         name = run_name or config.run_name
         if name in (".", "..") or "/" in name:
             raise InvalidArgumentError(
@@ -131,6 +141,7 @@ class TrainerService:
         running = [r.name for r in self._runs.values() if r.state not in ENDED]
         if running:
             raise FailedPreconditionError(f"run {running[0]!r} is still running; stop it first")
+        require_packages(config)
         if config.ranks != self._ranks.world_size:
             raise FailedPreconditionError(
                 f"the run asks for trainer.ranks={config.ranks}; this trainer service runs "
@@ -144,7 +155,8 @@ class TrainerService:
                     f"service's runs root {str(self._runs_root)!r}; set trainer.output_dir to "
                     "a folder inside it (the service's trainer.runs_root sets the root)"
                 )
-            if output_dir.exists() and any(output_dir.iterdir()) and not resume:
+            existing = output_dir.iterdir() if output_dir.exists() else ()
+            if any(p.name != RUN_LOGS_FOLDER for p in existing) and not resume:
                 raise AlreadyExistsError(
                     f"run {name!r} exists in {output_dir}; resume it (--resume) or pick another "
                     "name (trainer.run_name=...)"
@@ -156,12 +168,16 @@ class TrainerService:
                 f"cannot write run {name!r} in trainer.output_dir {str(config.output_dir)!r}: {e}"
             ) from e
         record = RunRecord(name, output_dir)
-        record.controller = LOOPS[config.loop if config.mode == "rl" else "sft"](
+        record.controller = LOOPS[config.loop if config.mode == "rl" else config.mode](
             config, output_dir, partial(self._on_event, record), self._ranks
         )
         self._runs[name] = record
         record.task = asyncio.create_task(self._run(record, resume))
         return record
+
+    def runs(self) -> list[RunRecord]:
+        """Every run this service accepted, in the order they started."""
+        return list(self._runs.values())
 
     def get_run(self, name: str) -> RunRecord:
         record = self._runs.get(name)
@@ -228,6 +244,7 @@ class TrainerService:
             record.error_message = f"{type(e).__name__}: {e}"
             self._set_state(record, RunState.FAILED, record.error_message)
         finally:
+            record.controller.close()
             for request in record.controller.checkpoint_requests:
                 if not request.done.done():
                     request.done.set_exception(

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from trainer_svc.batch import Batch
-from trainer_svc.config import SftConfig, TrainSettings
+from trainer_svc.config import LoraSettings, SftConfig, TrainSettings
 from trainer_svc.data import ConversationRecord, EpochSampler, load_conversations
 from trainer_svc.fsdp import FsdpPolicy
 from trainer_svc.ranks import Models, checkpoint_state, share_of
@@ -84,9 +84,9 @@ def examples_batch(examples: list[Example], pad_token_id: int) -> Batch:
     )
 
 
-def sft_models(model_path: str, optim: TrainSettings) -> Models:
-    """An SFT run's one model, the policy."""
-    return Models(policy=FsdpPolicy(model_path, optim))
+def sft_models(model_path: str, optim: TrainSettings, lora: LoraSettings | None = None) -> Models:
+    """An SFT run's one model, the policy (with `lora`, adapters on a frozen base)."""
+    return Models(policy=FsdpPolicy(model_path, optim, lora))
 
 
 def sft_step(models: Models, batch: Batch) -> dict[str, float]:
@@ -155,9 +155,10 @@ class SftController(RunLoop):
         self.sampler = EpochSampler(self.train_examples, config.seed, config.data.shuffle)
         self.total_steps = config.sft.run_steps(config.steps, len(self.train_examples))
         optim = config.optim.for_run(self.total_steps)
-        await self.ranks.build(sft_models, model_path, optim)
+        await self.ranks.build(sft_models, model_path, optim, config.lora)
         resumed = resume and await self._restore_checkpoint() is not None
-        self._open_report(resumed, LOSS_PLOT)
+        await self._open_report(resumed, LOSS_PLOT)
+        await self._open_hub_repo()
         tokens = sum(len(ids) for ids, _ in self.train_examples)
         loss_tokens = sum(sum(loss_mask) for _, loss_mask in self.train_examples)
         message = (
@@ -186,7 +187,7 @@ class SftController(RunLoop):
         }
         self.report.log(self.step, metrics)
         self.emit(ProgressEvent(self.step, "train", metrics))
-        await self._evaluate_and_checkpoint_when_due()
+        await self._finish_step()
 
     async def _evaluate(self) -> None:
         if not self.held_out_examples:

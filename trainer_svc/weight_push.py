@@ -12,6 +12,12 @@ or one per tensor when a member receives only that (an SGLang server), while eve
 UpdateWeights call receives it; when no group could be formed, a PushWeights stream of chunks
 to each replica.
 
+A LoRA adapter (`push(..., adapter=...)`, `trainer.lora.push: adapter`) always goes as a
+PushWeights stream, even where a group formed: it is megabytes, not gigabytes, so a stream
+costs next to nothing, and every engine loads it the same way (an SGLang or vLLM server loads
+an adapter from a folder, which the rollout service writes; broadcasting to its ranks would gain
+nothing).
+
 Collectives block, so they run in a worker thread. A failed broadcast leaves the ranks out of
 step: the group is dropped and later pushes go over gRPC.
 """
@@ -33,7 +39,7 @@ from trainer_svc.config import WeightSyncConfig
 from turnrl import errors
 from turnrl.v1 import rollout_pb2, rollout_pb2_grpc
 from turnrl.weight_group import broadcast, form_group, host_store, leave_group
-from turnrl.weights import LAYOUTS, BucketedWeights
+from turnrl.weights import LAYOUTS, BucketedWeights, LoraAdapter
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +121,19 @@ class WeightPusher:
         return pusher
 
     async def push(
-        self, weights: BucketedWeights, policy_version: int, *, timeout_seconds: float = 300.0
+        self,
+        weights: BucketedWeights,
+        policy_version: int,
+        *,
+        adapter: LoraAdapter | None = None,
+        timeout_seconds: float = 300.0,
     ) -> PushResult:
         """Pauses every replica, sends `weights` (build them with `BucketedWeights.pack`, in
         bfloat16 to halve the bytes, float32 to keep them exact; the replicas are paused once
         pack has copied the first bucket in, and each bucket goes as soon as it is in), checks
-        that every replica took `policy_version`, and resumes them. Returns, or raises, once
+        that every replica took `policy_version`, and resumes them. With `adapter`, `weights`
+        are a LoRA adapter under peft's saved names that replaces each replica's, sent as a
+        PushWeights stream (module docstring). Returns, or raises, once
         pack has read the tensors it packs. Raises
         FailedPreconditionError, before sending anything, when `policy_version` is not newer
         than a replica's; a replica's error as the turnrl error of its status code, naming the
@@ -139,8 +152,12 @@ class WeightPusher:
                         f"policy_version {policy_version} is not newer than rollout replica "
                         f"{index}'s {reply.policy_version}; nothing was sent"
                     )
-            send = self._stream if self._group is None else self._broadcast
-            replies = await send(weights, policy_version, timeout_seconds)
+            if adapter is not None:
+                replies = await self._stream(weights, policy_version, timeout_seconds, adapter)
+            elif self._group is None:
+                replies = await self._stream(weights, policy_version, timeout_seconds)
+            else:
+                replies = await self._broadcast(weights, policy_version, timeout_seconds)
         finally:
             resume_failure = await self._resume_all()
             # A push that failed before sending every bucket: pack may still be copying. (A
@@ -155,7 +172,8 @@ class WeightPusher:
                 f"rollout replicas report policy_version {versions} after pushing {policy_version}"
             )
         seconds = time.perf_counter() - started
-        return PushResult(weights.nbytes, seconds, versions, self.mode)
+        mode = "grpc" if adapter is not None else self.mode
+        return PushResult(weights.nbytes, seconds, versions, mode)
 
     def close(self) -> None:
         """Leaves the group. Replicas keep their end until they join another group."""
@@ -269,10 +287,16 @@ class WeightPusher:
             broadcast(self._group, on_device)
 
     async def _stream(
-        self, weights: BucketedWeights, policy_version: int, timeout_seconds: float
+        self,
+        weights: BucketedWeights,
+        policy_version: int,
+        timeout_seconds: float,
+        adapter: LoraAdapter | None = None,
     ) -> list[rollout_pb2.PushWeightsResponse]:
         header = rollout_pb2.PushWeightsHeader(
-            tensors=[meta.to_proto() for meta in weights.metas], policy_version=policy_version
+            tensors=[meta.to_proto() for meta in weights.metas],
+            policy_version=policy_version,
+            lora_adapter=None if adapter is None else adapter.to_proto(),
         )
         await asyncio.to_thread(weights.wait_packed)  # the chunks are read on the event loop
 

@@ -7,7 +7,9 @@ tokenization and the weight layout. It imports no service; the layer above the s
 """
 
 import os
-from importlib.metadata import version
+import tomllib
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 # gRPC's fork handlers restart its poller in a forked child, which crashes (epoll EBADF) a child
 # that closes its file descriptors before exec: how `turnrl up` starts a service while its own
@@ -15,4 +17,13 @@ from importlib.metadata import version
 # so the handlers have nothing to do here. Read by gRPC at its first channel or server.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-__version__ = version("turnrl")
+
+def _version() -> str:
+    try:
+        return version("turnrl")
+    except PackageNotFoundError:  # a checkout on PYTHONPATH, not installed (the GPU machine)
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        return tomllib.loads(pyproject.read_text())["project"]["version"]
+
+
+__version__ = _version()

@@ -132,6 +132,12 @@ class CalculatorProblem:
         return self.messages[:2]
 
     @property
+    def call_results(self) -> list[int]:
+        """Each calculator call's result, in order: with `one_call_per_operation`, the running
+        count after each operation (the chain `reward_svc.scorers.calc_chain` credits)."""
+        return [int(m["content"]) for m in self.messages if m["role"] == "tool"]
+
+    @property
     def guess_messages(self) -> list[dict[str, Any]]:
         """system, user, then a wrong answer at once, without the tool: the problem's starting
         count, the number a model that cannot compute copies from the question."""

@@ -21,11 +21,14 @@ The rules (DESIGN.md, "The trajectory is the unit of truth"):
   next message (`<|im_end|>` then `\\n` in ChatML). The delta starts right after the first copy
   of the model's stop token that follows the base, so those tokens are in the delta, once. With
   GLM-4.5 the model stops on the token that opens the next message (`<|observation|>`), which
-  the same rule skips. A model turn that did not end with a stop token (cut by `max_new_tokens`)
-  leaves the conversation without a valid render to continue from: `append_messages` refuses
-  it and the rollout ends the trajectory there. A template that closes the turn with another
-  token than the model stopped on (gpt-oss writes `<|end|>` where the model said `<|return|>`)
-  is refused the same way.
+  the same rule skips. A model turn that ended on a stop string (OpenAI's `stop`: the engine
+  stopped after the ids that spell it, with no stop token) is closed by the template: the delta
+  starts at the first stop token past the base, the one the template writes where the
+  assistant message ends (`<|im_end|>`), so that token is in the delta, masked, as the model
+  never sampled it. A model turn cut by `max_new_tokens` leaves the conversation without a
+  valid render to continue from: `append_messages` refuses it and the rollout ends the
+  trajectory there. A template that closes the turn with another token than the model stopped
+  on (gpt-oss writes `<|end|>` where the model said `<|return|>`) is refused the same way.
 - **Control tokens inside messages are text.** Renders use transformers'
   `sanitize_control_tokens=True`: a tool result or user turn that spells `<|im_end|>` or
   `<tool_call>` is tokenized as ordinary text, while the tokens the template writes stay single
@@ -119,10 +122,12 @@ class ConversationTokens:
         self._stop_token_ids = frozenset(stop_token_ids)
         if not self._stop_token_ids or None in self._stop_token_ids:
             raise InvalidArgumentError(f"stop_token_ids {stop_token_ids!r} must name token ids")
-        # The last model turn's message, which the next difference is rendered after, and its
-        # ids until messages follow it (None while a model turn is due).
+        # The last model turn's message, which the next difference is rendered after, its ids
+        # until messages follow it (None while a model turn is due), and whether it ended on
+        # a stop string.
         self._model_message: dict | None = None
         self._model_turn_ids: list[int] | None = None
+        self._model_turn_on_stop_string = False
         # Renders of BASE_MESSAGES alone and of the generation prompt after them, made once by
         # `prompt_ids`: every difference starts from them.
         self._base_ids: list[int] = []
@@ -158,10 +163,14 @@ class ConversationTokens:
         text_ids = output_ids[:-1] if self._ends_turn(output_ids) else output_ids
         return self._tokenizer.decode(text_ids)
 
-    def append_model_turn(self, output_ids: list[int], message: dict) -> None:
+    def append_model_turn(
+        self, output_ids: list[int], message: dict, ended_on_stop_string: bool = False
+    ) -> None:
         """Records the engine's `output_ids` for this turn, as they are, and the assistant
         `message` that stands for them in the conversation (`model_turn_text`, with the tool
-        calls parsed out of it), which `append_messages` renders them as."""
+        calls parsed out of it), which `append_messages` renders them as.
+        `ended_on_stop_string`: the engine stopped after ids that spell a stop string (its
+        text is left out of the message), so the template closes the turn."""
         self._require_model_turn_due("append_model_turn")
         if not output_ids:
             raise InvalidArgumentError("a model turn needs at least one output id, got []")
@@ -169,6 +178,7 @@ class ConversationTokens:
             raise InvalidArgumentError(f"expected an assistant message, got {message!r}")
         self._model_message = message
         self._model_turn_ids = list(output_ids)
+        self._model_turn_on_stop_string = ended_on_stop_string
 
     def append_assistant_message(self, message: dict) -> list[int]:
         """Records the assistant `message` as this model turn and returns the ids a model writes
@@ -196,6 +206,7 @@ class ConversationTokens:
             )
         self._model_message = message
         self._model_turn_ids = rendered_ids[len(opening_ids) : stop_at + 1]
+        self._model_turn_on_stop_string = False
         return list(self._model_turn_ids)
 
     def closing_ids(self) -> list[int]:
@@ -239,10 +250,12 @@ class ConversationTokens:
     ) -> list[int]:
         """What the template writes after the last model turn's stop token when `messages`
         (described by `what`) follow it: the render of `BASE_MESSAGES`, that turn and them,
-        from that stop token's first copy past the base on."""
+        from that stop token's first copy past the base on; for a turn that ended on a stop
+        string, from the first stop token past the base, included."""
         assert self._model_turn_ids is not None and self._model_message is not None
         stop_id = self._model_turn_ids[-1]
-        if not self._ends_turn(self._model_turn_ids):
+        ends_turn = self._ends_turn(self._model_turn_ids)
+        if not ends_turn and not self._model_turn_on_stop_string:
             raise FailedPreconditionError(
                 f"the last model turn ended on token {stop_id}, not on a stop token "
                 f"{sorted(self._stop_token_ids)} (cut by max_new_tokens?); a conversation cannot "
@@ -252,15 +265,27 @@ class ConversationTokens:
             [*BASE_MESSAGES, self._model_message, *messages], add_generation_prompt
         )
         self._require_prefix(self._base_ids, extended_ids, what)
-        try:
-            cut = extended_ids.index(stop_id, len(self._base_ids)) + 1
-        except ValueError:
+        closing_ids = {stop_id} if ends_turn else self._stop_token_ids
+        cut = next(
+            (
+                i
+                for i in range(len(self._base_ids), len(extended_ids))
+                if extended_ids[i] in closing_ids
+            ),
+            None,
+        )
+        if cut is None:
+            names = self._tokenizer.convert_ids_to_tokens(sorted(closing_ids))
+            closing = (
+                f"the token the model stopped on ({names[0]!r})"
+                if ends_turn
+                else f"a stop token {names!r} after the model's stop string"
+            )
             raise FailedPreconditionError(
-                f"{self._template_name()} does not close an assistant turn with the token the "
-                f"model stopped on ({self._tokenizer.convert_ids_to_tokens(stop_id)!r}) before "
+                f"{self._template_name()} does not close an assistant turn with {closing} before "
                 f"{what}; the model's ids cannot continue this conversation"
-            ) from None
-        return extended_ids[cut:]
+            )
+        return extended_ids[cut + 1 if ends_turn else cut :]
 
     def _require_prefix(self, base_ids: list[int], extended_ids: list[int], what: str) -> None:
         """Raises unless `base_ids` start `extended_ids`: only then is the rest a pure suffix."""

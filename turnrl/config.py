@@ -8,6 +8,7 @@ file. Every model here forbids unknown keys and is frozen; every field states it
 
 import ipaddress
 import os
+import string
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self, TypeVar
@@ -111,6 +112,22 @@ class ServerConfig(StrictModel):
         )
 
 
+class HttpJsonServerConfig(ServerConfig):
+    """How the tool or reward service listens: its gRPC server, and, with `http_port`, the
+    same methods as JSON over HTTP beside it (turnrl.rpc.http_json), on `host`, with this
+    server's TLS, token and message limit. The rollout and trainer services take a plain
+    ServerConfig, which refuses `http_port` as an unknown key."""
+
+    http_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="Port of the HTTP/JSON transcoding of the service's methods (POST "
+        "/v1/<Service>/<Method>, OpenAPI at /openapi.json), on `host`; 0 picks a free one "
+        "(printed at start). None: gRPC only.",
+    )
+
+
 def is_loopback(host: str) -> bool:
     """Whether `host` (a name or an IP address, IPv6 with or without brackets) is this
     machine's loopback, which no other machine reaches."""
@@ -193,6 +210,15 @@ class ClientConfig(StrictModel):
 
 def _split_addresses(address: str) -> list[str]:
     return [entry.strip() for entry in address.split(",")]
+
+
+def rubric_placeholders(rubric: str) -> set[str]:
+    """The field names of a `str.format` template; ValueError when it is malformed."""
+    try:
+        fields = [field for _, field, _, _ in string.Formatter().parse(rubric)]
+    except ValueError as e:
+        raise ValueError(f"rubric is not a valid template ({e}); double literal braces") from None
+    return {field for field in fields if field is not None}
 
 
 def read_secret_env(name: str) -> str:

@@ -15,6 +15,20 @@ RETRY_MAX_SECONDS = 2.0
 MAX_ERROR_BODY_CHARS = 200
 
 
+class ChatCompletionMessage(BaseModel):
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    message: ChatCompletionMessage
+
+
+class ChatCompletion(BaseModel):
+    """The part of an OpenAI-compatible `/chat/completions` answer its callers read."""
+
+    choices: list[ChatCompletionChoice]
+
+
 class HttpJsonError(Exception):
     """The call failed. The message completes a sentence about the server, e.g. "did not
     answer within 10 s", so callers prefix it with what the server is: "retriever at '...'"."""

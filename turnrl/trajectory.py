@@ -5,6 +5,11 @@ sequence is their concatenation. `loss_mask` is 1 on model-sampled tokens only;
 `response_mask` is 1 on every token after the prompt. They are different things and stay
 separate fields. Both are derived from the segments, so they cannot disagree with them.
 
+A trajectory may come in parts: a PROMPT segment after segments of other sources starts a new
+context, one that does not continue the tokens before it (an agent that rewrote its history
+through the gateway: rollout_svc/gateway/history.py). The trainer trains each part as a
+sequence of its own (`parts`), all under the trajectory's reward.
+
 The rollout service's agent loop builds one `Trajectory` as the conversation goes; it crosses
 the wire once (`to_proto`, then `from_proto` on the trainer's side, which checks the wire's
 masks against the segments), and the trainer builds its tensors from the same fields.
@@ -42,6 +47,35 @@ class FinishReason(enum.Enum):
     INTERACTION_TERMINATED = common_pb2.FINISH_REASON_INTERACTION_TERMINATED
     ABORTED = common_pb2.FINISH_REASON_ABORTED
     ERROR = common_pb2.FINISH_REASON_ERROR
+
+
+class TurnRewardSource(enum.Enum):
+    """What gave a model turn its reward; values are the wire enum's."""
+
+    TOOL = common_pb2.TURN_REWARD_SOURCE_TOOL
+    INTERACTION = common_pb2.TURN_REWARD_SOURCE_INTERACTION
+    SCORER = common_pb2.TURN_REWARD_SOURCE_SCORER
+
+
+@dataclass(frozen=True)
+class TurnReward:
+    """A reward earned by model turn `turn` (0-based; see `Trajectory.model_turn_spans`),
+    given by the tool, interaction or scorer called `name`."""
+
+    turn: int
+    value: float
+    source: TurnRewardSource
+    name: str = ""
+
+    def to_proto(self) -> common_pb2.TurnReward:
+        return common_pb2.TurnReward(
+            turn=self.turn, value=self.value, source=self.source.value, name=self.name
+        )
+
+    @classmethod
+    def from_proto(cls, proto: common_pb2.TurnReward) -> "TurnReward":
+        """Raises ValueError for an unset or unknown source."""
+        return cls(proto.turn, proto.value, TurnRewardSource(proto.source), proto.name)
 
 
 @dataclass
@@ -122,6 +156,7 @@ class Trajectory:
     turns: list[TurnMetrics] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     reward: common_pb2.Reward | None = None
+    turn_rewards: list[TurnReward] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -162,6 +197,33 @@ class Trajectory:
         return [s.policy_version for s in self.segments if s.source is SegmentSource.MODEL]
 
     @property
+    def parts(self) -> list[tuple[int, int]]:
+        """The [start, end) token positions of each part: one for a trajectory that is one
+        context, a part more for each PROMPT segment that follows another source."""
+        starts, position, previous = [0], 0, SegmentSource.PROMPT
+        for segment in self.segments:
+            if segment.source is SegmentSource.PROMPT and previous is not SegmentSource.PROMPT:
+                starts.append(position)
+            position += len(segment.token_ids)
+            previous = segment.source
+        return list(zip(starts, [*starts[1:], position], strict=True))
+
+    def model_turn_spans(self) -> list[tuple[int, int]]:
+        """The [start, end) token positions of each model turn: a run of consecutive MODEL
+        segments (a generation a weight push paused is two segments, one turn)."""
+        spans: list[tuple[int, int]] = []
+        position, previous = 0, None
+        for segment in self.segments:
+            end = position + len(segment.token_ids)
+            if segment.source is SegmentSource.MODEL:
+                if previous is SegmentSource.MODEL:
+                    spans[-1] = (spans[-1][0], end)
+                else:
+                    spans.append((position, end))
+            position, previous = end, segment.source
+        return spans
+
+    @property
     def prompt_length(self) -> int:
         return sum(len(s.token_ids) for s in self.segments if s.source is SegmentSource.PROMPT)
 
@@ -192,6 +254,7 @@ class Trajectory:
             turns=[common_pb2.TurnMetrics(**vars(turn)) for turn in self.turns],
             metrics=self.metrics,
             data_source=self.data_source,
+            turn_rewards=[reward.to_proto() for reward in self.turn_rewards],
         )
         if self.reward is not None:
             proto.reward.CopyFrom(self.reward)
@@ -200,7 +263,8 @@ class Trajectory:
     @classmethod
     def from_proto(cls, proto: common_pb2.Trajectory) -> "Trajectory":
         """The record `to_proto` wrote. Raises InvalidArgumentError when the wire's masks
-        disagree with its segments, or a segment or message is malformed."""
+        disagree with its segments, a segment or message is malformed, or a turn reward names
+        a turn the trajectory does not have."""
         where = f"trajectory {proto.trajectory_id!r}"
         try:
             segments = [
@@ -213,6 +277,7 @@ class Trajectory:
                 for s in proto.segments
             ]
             finish_reason = FinishReason(proto.finish_reason)
+            turn_rewards = [TurnReward.from_proto(r) for r in proto.turn_rewards]
             messages = [message_to_dict(m) for m in proto.messages]
         except ValueError as e:
             raise InvalidArgumentError(f"{where}: {e}") from None
@@ -237,10 +302,18 @@ class Trajectory:
             ],
             metrics=dict(proto.metrics),
             reward=_copy(proto.reward) if proto.HasField("reward") else None,
+            turn_rewards=turn_rewards,
         )
         for name in ("loss_mask", "response_mask"):
             if list(getattr(proto, name)) != getattr(trajectory, name):
                 raise InvalidArgumentError(f"{where}: {name} disagrees with its segments")
+        turns = len(trajectory.model_turn_spans())
+        for reward in turn_rewards:
+            if not 0 <= reward.turn < turns:
+                raise InvalidArgumentError(
+                    f"{where}: a {reward.source.name.lower()} reward from {reward.name!r} is "
+                    f"for turn {reward.turn}, but the trajectory has {turns} model turns"
+                )
         return trajectory
 
 

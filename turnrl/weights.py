@@ -68,6 +68,38 @@ class TensorMeta:
         return cls(spec.name, DTYPES[spec.dtype], tuple(spec.shape))
 
 
+@dataclass(frozen=True)
+class LoraAdapter:
+    """What makes an update a LoRA adapter (rollout.proto's LoraAdapter): its tensors are
+    peft's saved adapter tensors (`PEFT_PREFIX` + module + `.lora_A.weight` / `.lora_B.weight`),
+    which replace the adapter an engine applies on its unchanged base weights."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+
+    def to_proto(self) -> rollout_pb2.LoraAdapter:
+        return rollout_pb2.LoraAdapter(
+            rank=self.rank, alpha=self.alpha, target_modules=self.target_modules
+        )
+
+    @classmethod
+    def from_proto(cls, adapter: rollout_pb2.LoraAdapter) -> "LoraAdapter":
+        """Raises ValueError for a rank or alpha that is not positive, or no target module."""
+        if adapter.rank <= 0 or adapter.alpha <= 0:
+            raise ValueError(
+                f"a LoRA adapter needs a positive rank and alpha, got {adapter.rank} and "
+                f"{adapter.alpha}"
+            )
+        if not adapter.target_modules:
+            raise ValueError("a LoRA adapter names at least one target module")
+        return cls(adapter.rank, adapter.alpha, tuple(adapter.target_modules))
+
+
+# How peft's saved adapter names start: the wrapped model's own module names follow.
+PEFT_PREFIX = "base_model.model."
+
+
 class BucketedWeights:
     """The tensors of one update in one flat uint8 buffer, laid out as they travel: bucket
     after bucket, each tensor at a 64-byte-aligned offset. `bucket(k)` is bucket k's bytes
@@ -196,8 +228,9 @@ class BucketedWeights:
         packing = self._packing
         if packing is not None:
             packing.wait(bucket)
-            if bucket == len(self.buckets) - 1:
-                self._packing = None  # every bucket is in
+            if bucket == len(self.buckets) - 1:  # every bucket is in
+                packing.join()
+                self._packing = None
 
 
 def bucket_indices(metas: Sequence[TensorMeta], bucket_size_bytes: int) -> list[list[int]]:
@@ -236,6 +269,11 @@ class _Packing:
             self._changed.wait_for(lambda: self._error is not None or self._buckets_in > bucket)
             if self._error is not None:
                 raise RuntimeError(f"packing the weights failed: {self._error!r}") from self._error
+
+    def join(self) -> None:
+        """Returns once the copy's thread has ended: one still ending as the interpreter exits
+        can abort the process ("terminate called without an active exception")."""
+        self._thread.join()
 
     def _copy(self, weights: BucketedWeights, tensors: list[torch.Tensor]) -> None:
         try:

@@ -3,10 +3,13 @@
     turnrl serve {tool,reward,rollout,trainer} [--config F] [--host H] [--port N] [key=value ...]
     turnrl up [--config F] [--launcher local|ray] [--check] [key=value ...]
     turnrl run --config F [--launcher local|ray] [--resume] [key=value ...]
+    turnrl eval --config F --model PATH [--output DIR] [--launcher local|ray] [key=value ...]
     turnrl health --addr H:P [--service NAME]
     turnrl tool list [--addr H:P]
     turnrl tool call NAME 'JSON-ARGS' [--addr H:P] [--session-kwargs JSON]
     turnrl score --data-source S --ground-truth G (--response TEXT | --input FILE.jsonl) [--addr H:P]
+    turnrl report RUN [--output FILE.html]
+    turnrl show RUN [--step N] [--eval] [-n K] [--tokens]
 
 Every `key=value` is a config override (e.g. `tool.server.port=0`). Client commands print JSON
 on stdout, read a bearer token from $TURNRL_AUTH_TOKEN, and exit non-zero on failure.
@@ -18,11 +21,14 @@ import importlib
 import sys
 from pathlib import Path
 
+from rich.console import Console
+
 from turnrl import __version__, service_main
 from turnrl.config import DEFAULT_PORTS
 from turnrl.errors import ConfigError
-from turnrl_cli import client_commands, launcher
+from turnrl_cli import client_commands, launcher, run_report, run_show
 from turnrl_cli.model_paths import load_with_tiny_model
+from turnrl_cli.run_folder import RunFolderError
 
 # The module whose `serve(config)` runs each service, given its section of the config. Imported
 # only by `turnrl serve`: the rollout and trainer servers load torch, which would add seconds to
@@ -52,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     service_main.configure_logging(args.log_level)
     try:
         code = args.handler(args)
-    except ConfigError as e:
+    except (ConfigError, RunFolderError) as e:
         print(f"turnrl: {e}", file=sys.stderr)
         code = EXIT_USAGE
     sys.exit(code)
@@ -91,6 +97,24 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     run.set_defaults(handler=lambda a: asyncio.run(launcher.run(a.config, a.overrides, a.resume)))
 
+    evaluate = commands.add_parser(
+        "eval", help="evaluate a model on the held-out data (trainer.eval), without training"
+    )
+    _add_config_args(evaluate, config_required=True)
+    _add_launcher_arg(evaluate)
+    evaluate.add_argument(
+        "--model", type=Path, required=True, help="the model folder the rollout service serves"
+    )
+    evaluate.add_argument(
+        "--output",
+        type=Path,
+        help="folder for the metrics (summary.json) and generations (eval/); default: "
+        "<trainer.output_dir>/eval-<model folder's name>",
+    )
+    evaluate.set_defaults(
+        handler=lambda a: asyncio.run(launcher.evaluate(a.config, a.overrides, a.model, a.output))
+    )
+
     health = commands.add_parser("health", help="exit 0 when a service reports SERVING")
     _add_client_args(health, default_port=None)
     health.add_argument("--service", default="", help="service name; default: the whole server")
@@ -124,6 +148,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_client_args(score, default_port=DEFAULT_PORTS["reward"])
     score.set_defaults(handler=lambda a: asyncio.run(client_commands.score(a)))
+
+    report = commands.add_parser(
+        "report", help="write a run's report page: curves, summary, trajectories (one HTML file)"
+    )
+    report.add_argument("run", type=Path, help="the run's folder, e.g. runs/calculator-...")
+    report.add_argument("--output", type=Path, help="the page's path; default RUN/report.html")
+    report.set_defaults(handler=_report)
+
+    show = commands.add_parser("show", help="print a step's dumped trajectories")
+    show.add_argument("run", type=Path, help="the run's folder, e.g. runs/calculator-...")
+    show.add_argument("--step", type=int, help="the step; default: the last one dumped")
+    show.add_argument("--eval", action="store_true", help="the held-out generations")
+    show.add_argument("-n", type=int, default=3, help="how many, rewards high to low (default 3)")
+    show.add_argument("--tokens", action="store_true", help="each token too, «trained» or not")
+    show.set_defaults(handler=_show)
     return parser
 
 
@@ -155,6 +194,16 @@ def _add_client_args(parser: argparse.ArgumentParser, *, default_port: int | Non
     parser.add_argument("--tls-ca", type=Path, help="PEM CA bundle; enables TLS")
     parser.add_argument("--tls-cert", type=Path, help="PEM client certificate (mTLS)")
     parser.add_argument("--tls-key", type=Path, help="PEM client key (mTLS)")
+
+
+def _report(args: argparse.Namespace) -> int:
+    print(f"report: {run_report.write_report(args.run, args.output)}")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    run_show.show(args.run, args.step, args.eval, args.n, args.tokens, Console())
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:

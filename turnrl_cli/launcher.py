@@ -1,15 +1,15 @@
-"""The launcher's two commands, `turnrl up` and `turnrl run`, start to end: the config with
-its model paths (`model_paths`), the launch's token and TLS (`launch_token`, `launch_tls`),
-the services as child processes (`processes`) or Ray actors
+"""The launcher's commands, `turnrl up`, `turnrl run` and `turnrl eval`, start to end: the
+config with its model paths (`model_paths`), the launch's token and TLS (`launch_token`,
+`launch_tls`), the services as child processes (`processes`) or Ray actors
 (`ray_services`, `launcher.kind: ray`), then `up` prints their addresses (or checks them) and
-supervises until Ctrl-C or a death, and `run` submits the run to the trainer (StartRun) and
-follows it (`progress`).
+supervises until Ctrl-C or a death, `run` submits the run to the trainer (StartRun) and
+follows it (`progress`), and `eval` does the same with an evaluation run (`trainer.mode: eval`).
 """
 
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 import yaml
@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from trainer_svc.config import RUN_LOGS_FOLDER
 from turnrl import errors, rpc
 from turnrl.config import CLIENT_TOKEN_ENV, ClientConfig
 from turnrl.errors import ConfigError
@@ -40,20 +41,41 @@ from turnrl_cli.processes import (
     stop_on_signals,
     supervise,
 )
-from turnrl_cli.progress import follow_run
+from turnrl_cli.progress import eval_table, follow_run, summary_table
 from turnrl_cli.project_config import ProjectConfig, load_project_config
+from turnrl_cli.run_folder import RunFolderError
+from turnrl_cli.run_report import write_report
 
 
 async def up(config_path: Path | None, overrides: Sequence[str], check: bool) -> int:
-    """`turnrl up`: start the services, print their addresses, supervise until Ctrl-C or a death."""
+    """`turnrl up`: start the services, print their addresses, supervise until Ctrl-C or a death.
+    Their output goes to <trainer.output_dir>/logs/<service>.log too."""
     project, overrides = await _load(config_path, overrides)
     console = Console()
     stop_requested = stop_on_signals()
+    logs_dir = project.trainer.output_dir / RUN_LOGS_FOLDER
     try:
-        async with start_services(project, config_path, overrides, stop_requested) as services:
+        async with start_services(
+            project, config_path, overrides, stop_requested, logs_dir
+        ) as services:
             if check:
                 return await _check(services, console)
             console.print(_table(services, {}))
+            for service in services:
+                if service.gateway_url:
+                    console.print(
+                        f"{service.label}'s OpenAI-compatible gateway: {service.gateway_url} "
+                        f"(an agent's base_url: {service.gateway_url}/sessions/<episode>/v1)",
+                        highlight=False,
+                        soft_wrap=True,
+                    )
+                if service.http_json_url:
+                    console.print(
+                        f"{service.label} over HTTP/JSON: {service.http_json_url} "
+                        f"(POST /v1/<Service>/<Method>; {service.http_json_url}/openapi.json)",
+                        highlight=False,
+                        soft_wrap=True,
+                    )
             if token := os.environ.get(LAUNCH_TOKEN_ENV):
                 console.print(
                     "They take this launch's bearer token (launcher.auth_token); for turnrl's "
@@ -78,15 +100,45 @@ async def up(config_path: Path | None, overrides: Sequence[str], check: bool) ->
         return 0
 
 
-async def run(config_path: Path, overrides: Sequence[str], resume: bool) -> int:
+async def evaluate(
+    config_path: Path, overrides: Sequence[str], model: Path, output: Path | None
+) -> int:
+    """`turnrl eval`: `run` an evaluation run (`trainer.mode: eval`) of the model folder
+    `model`, which the rollout service serves, written to `output` (default:
+    <trainer.output_dir>/eval-<model folder's name>); prints its metrics per data source."""
+    if output is None:
+        project = await asyncio.to_thread(load_project_config, config_path, overrides)
+        output = project.trainer.output_dir / f"eval-{model.name or 'model'}"
+    evaluation = [
+        "trainer.mode=eval",
+        f"trainer.model_path={model}",
+        f"rollout.model_path={model}",
+        f"trainer.output_dir={output.parent}",
+        f"trainer.run_name={output.name}",
+    ]
+    return await run(config_path, [*overrides, *evaluation], False, eval_table)
+
+
+async def run(
+    config_path: Path,
+    overrides: Sequence[str],
+    resume: bool,
+    final_table: Callable[[trainer_pb2.Run], Table] = summary_table,
+) -> int:
     """`turnrl run`: start the services the config does not point at, submit the run
-    (StartRun), follow it (StreamProgress) to its end; Ctrl-C stops it after the current step
-    (StopRun, with a checkpoint)."""
+    (StartRun), follow it (StreamProgress) to its end and print `final_table` of it; Ctrl-C
+    stops it after the current step (StopRun, with a checkpoint). The services' output goes
+    to the run's folder too: <trainer.output_dir>/<trainer.run_name>/logs/<service>.log. Once
+    the services stopped, the run's report page (report.html in its folder: `turnrl report`)
+    is written."""
     project, overrides = await _load(config_path, overrides)
     console = Console(stderr=True)
     stop_requested = stop_on_signals()
+    logs_dir = project.trainer.output_dir / project.trainer.run_name / RUN_LOGS_FOLDER
     try:
-        async with start_services(project, config_path, overrides, stop_requested) as services:
+        async with start_services(
+            project, config_path, overrides, stop_requested, logs_dir
+        ) as services:
             trainers = [s for s in services if s.name == "trainer" and s.replica == 0]
             trainer = trainers[0].client_config() if trainers else project.trainer_service
             # A trainer this launch restarts gets the run again, to resume.
@@ -104,17 +156,31 @@ async def run(config_path: Path, overrides: Sequence[str], resume: bool) -> int:
                     project.launcher.startup_timeout_seconds,
                     stop_requested,
                     console,
+                    final_table,
                 )
             finally:  # before the services stop: none is started again on the way out
                 supervisor.cancel()
             gave_up = supervisor.done() and not supervisor.cancelled() and supervisor.result()
-            return 1 if gave_up else code
     except ServiceDiedError as e:
         console.print(f"[red]turnrl run: {escape(str(e))}[/red]", highlight=False)
         return 1
     except StartupInterruptedError:
         console.print("interrupted during start-up; stopped all services")
         return 0
+    code = 1 if gave_up else code
+    if code == 0:  # after the services stopped: the page's path is the launch's last line
+        await _write_report(logs_dir.parent, console)
+    return code
+
+
+async def _write_report(run_dir: Path, console: Console) -> None:
+    """Writes the run's report page (`turnrl report`) when its folder is here: a trainer
+    service elsewhere keeps the run's files on its own machine."""
+    try:
+        page = await asyncio.to_thread(write_report, run_dir)
+    except RunFolderError:
+        return
+    console.print(f"report: {page}", soft_wrap=True, highlight=False)
 
 
 async def _load(
@@ -141,6 +207,7 @@ async def _submit_and_follow(
     startup_timeout_seconds: float,
     stop_requested: asyncio.Event,
     console: Console,
+    final_table: Callable[[trainer_pb2.Run], Table],
 ) -> int:
     """Submits the run (StartRun) and follows it to its end (`follow_run`); 1 when StartRun
     fails. With the `supervisor` of a trainer that this launch starts again when it dies
@@ -163,7 +230,7 @@ async def _submit_and_follow(
                 f"run {reply.run.name!r} {verb} in {reply.run.output_dir}", soft_wrap=True
             )
             try:
-                return await follow_run(stub, reply.run, stop_requested, console)
+                return await follow_run(stub, reply.run, stop_requested, console, final_table)
             except errors.UnavailableError as e:
                 if supervisor is None:
                     raise
@@ -217,12 +284,16 @@ async def start_services(
     config_path: Path | None,
     overrides: Sequence[str],
     stop_requested: asyncio.Event,
+    logs_dir: Path,
 ) -> AsyncIterator[list[LaunchedService]]:
-    """The services of `launcher.kind`: local processes, or Ray actors. This launch's TLS
+    """The services of `launcher.kind`: local processes, their output appended to
+    `logs_dir/<service>.log` too, or Ray actors (their output is Ray's). This launch's TLS
     files (`launch_tls`) are removed once they stopped."""
     try:
         if project.launcher.kind == "local":
-            async with local_services(project, config_path, overrides, stop_requested) as started:
+            async with local_services(
+                project, config_path, overrides, stop_requested, logs_dir
+            ) as started:
                 yield started
             return
         try:

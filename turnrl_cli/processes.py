@@ -7,7 +7,8 @@ starts at the others (all replicas of a peer, comma-separated). Each child is
 its own, dying with its parent; replica i > 0 of a service with a fixed port takes any free one. The address of each comes from the child's first stdout line
 (`serving ... on HOST:PORT`); it is ready at gRPC health SERVING. `supervise` waits for Ctrl-C
 or SIGTERM (`stop_on_signals`) or a child's death, which it reports with the exit status and
-the child's last log lines; on the way out every child is stopped, trainer first.
+the child's last log lines; on the way out every child is stopped, trainer first. Each child's
+output is copied to the launcher's stderr, prefixed with its name, and to a log file of its own.
 """
 
 import asyncio
@@ -16,17 +17,20 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
 
 from rich.console import Console
 from rich.markup import escape
 
+from rollout_svc.gateway import GATEWAY_LINE
 from turnrl import rpc
-from turnrl.config import ClientConfig, ServerConfig
+from turnrl.config import ClientConfig, HttpJsonServerConfig, ServerConfig
+from turnrl.rpc.http_json import HTTP_JSON_LINE
 from turnrl.subprocesses import die_with_parent
 from turnrl_cli.launch_tls import trusted_ca_file
 from turnrl_cli.project_config import ProjectConfig, RestartPolicies, RestartPolicy
@@ -58,6 +62,8 @@ class LaunchedService(Protocol):
     name: str
     replica: int  # the trainer's: its rank
     address: str  # "" for a trainer rank > 0, which serves nothing
+    gateway_url: str  # a rollout service's OpenAI-compatible gateway; "" when none is known
+    http_json_url: str  # a tool or reward service's HTTP/JSON port; "" when none is known
     node_address: str  # the node it runs on; "" for this machine
     restarts: int  # by the launcher's supervisor
 
@@ -91,14 +97,25 @@ class ServiceProcess:
     process: asyncio.subprocess.Process | None = None
     replica: int = 0
     address: str = ""
+    gateway_url: str = ""  # the rollout service's OpenAI-compatible gateway, when it serves one
+    http_json_url: str = ""  # its methods as JSON over HTTP (server.http_port), when served
     node_address: str = ""  # this machine
     restarts: int = 0
     log_tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
     log_task: asyncio.Task | None = None
     startup_timeout_seconds: float = STARTUP_TIMEOUT_SECONDS
+    log_path: Path | None = None  # where its output is appended too, across restarts
+    log_file: TextIO | None = None  # log_path, open from the first start to the stop
 
     async def start(self) -> None:
-        """Starts the child process, its log copied to ours."""
+        """Starts the child process, its log copied to ours (and to `log_path`, after a line
+        marking the start)."""
+        if self.log_path is not None:
+            if self.log_file is None:
+                self.log_path.parent.mkdir(parents=True, exist_ok=True)
+                self.log_file = self.log_path.open("a", buffering=1)  # line by line
+            how = f"restart {self.restarts}" if self.restarts else "start"
+            self.write_log(f"turnrl: {how} of the {self.label} service at {time.ctime()}")
         self.process = await asyncio.create_subprocess_exec(
             *self.command,
             stdin=asyncio.subprocess.DEVNULL,
@@ -124,6 +141,11 @@ class ServiceProcess:
 
     def client_config(self) -> ClientConfig:
         return launcher_client_config(self.server, self.address)
+
+    def write_log(self, line: str) -> None:
+        """Appends a line to the service's log file, when it has one."""
+        if self.log_file is not None:
+            self.log_file.write(line + "\n")
 
     @property
     def label(self) -> str:
@@ -173,9 +195,11 @@ async def local_services(
     config_path: Path | None,
     overrides: Sequence[str],
     stop_requested: asyncio.Event,
+    logs_dir: Path,
 ) -> AsyncIterator[list[ServiceProcess]]:
     """Starts the services the config does not point at, yields them once all are SERVING,
-    stops them on exit.
+    stops them on exit. Each one's output goes to `logs_dir/<name>.log` too (`<name>#<i>.log`
+    for replica i > 0), appended, after a line marking each start.
 
     Raises ServiceDiedError, naming the service and its last output, when one fails to start,
     and StartupInterruptedError when `stop_requested` is set first.
@@ -196,6 +220,7 @@ async def local_services(
                         *peer_addresses(name, services),
                     ],
                     startup_timeout_seconds=project.launcher.startup_timeout_seconds,
+                    logs_dir=logs_dir,
                 )
                 for name in stage
                 if name in to_start
@@ -262,13 +287,15 @@ def replica_addresses(started: Sequence[LaunchedService], name: str) -> str:
 
 
 def replica_overrides(name: str, replica: int, server: ServerConfig) -> list[str]:
-    """Replica i > 0 listens on any free port (and serves metrics on one) where the config
-    fixes them: the first replica has the config's."""
+    """Replica i > 0 listens on any free port (and serves metrics and HTTP/JSON on one) where
+    the config fixes them: the first replica has the config's."""
     if replica == 0:
         return []
     overrides = [f"{name}.server.port=0"] if server.port else []
     if server.metrics_port:
         overrides.append(f"{name}.server.metrics_port=0")
+    if isinstance(server, HttpJsonServerConfig) and server.http_port:
+        overrides.append(f"{name}.server.http_port=0")
     return overrides
 
 
@@ -280,9 +307,11 @@ async def spawn(
     overrides: Sequence[str],
     env: dict[str, str] | None = None,
     startup_timeout_seconds: float = STARTUP_TIMEOUT_SECONDS,
+    logs_dir: Path | None = None,
 ) -> ServiceProcess:
     """Starts `python -m turnrl_cli serve NAME` with the config file and `overrides`, and
-    `env` added to this process's environment; `wait_ready` then waits for it up to
+    `env` added to this process's environment, its output appended to `logs_dir/LABEL.log`
+    too when `logs_dir` is set; `wait_ready` then waits for it up to
     `startup_timeout_seconds`."""
     command = [sys.executable, "-m", "turnrl_cli", "serve", name, *overrides]
     if config_path is not None:
@@ -295,6 +324,8 @@ async def spawn(
         replica=replica,
         startup_timeout_seconds=startup_timeout_seconds,
     )
+    if logs_dir is not None:
+        service.log_path = logs_dir / f"{service.label}.log"
     await service.start()
     return service
 
@@ -306,6 +337,7 @@ async def _forward_log(service: ServiceProcess) -> None:
     async for raw in service.process.stderr:
         line = raw.decode(errors="replace").rstrip()
         service.log_tail.append(line)
+        service.write_log(line)
         print(f"[{service.label}] {line}", file=sys.stderr, flush=True)
 
 
@@ -314,11 +346,10 @@ async def wait_ready(service: ServiceProcess) -> None:
     ServiceDiedError when it exits first, or when it takes longer than its
     startup_timeout_seconds, after killing it (a restart that hangs is retried, or given up
     on, as its restart policy says)."""
-    assert service.process.stdout is not None
     timeout_seconds = service.startup_timeout_seconds
     try:
         async with asyncio.timeout(timeout_seconds):
-            line = await _read_serving_line(service.process.stdout)
+            line = await _read_serving_line(service)
             if not line.startswith("serving "):
                 await service.process.wait()
                 if service.log_task is not None:
@@ -342,9 +373,16 @@ async def wait_ready(service: ServiceProcess) -> None:
         ) from None
 
 
-async def _read_serving_line(stdout: asyncio.StreamReader) -> str:
-    """The child's `serving ...` line, past any `metrics of ...` line; "" when it exits first."""
-    while line := (await stdout.readline()).decode():
+async def _read_serving_line(service: ServiceProcess) -> str:
+    """The child's `serving ...` line, past any other (its gateway's URL is kept as
+    `gateway_url`, its HTTP/JSON port's as `http_json_url`); "" when it exits first."""
+    assert service.process is not None and service.process.stdout is not None
+    while line := (await service.process.stdout.readline()).decode():
+        service.write_log(line.rstrip())
+        if line.startswith(GATEWAY_LINE):
+            service.gateway_url = line.removeprefix(GATEWAY_LINE).strip()
+        if line.startswith(HTTP_JSON_LINE):  # `HTTP/JSON of ToolService on <url>`
+            service.http_json_url = line.rpartition(" on ")[2].strip()
         if line.startswith("serving "):
             return line.strip()
     return ""
@@ -449,3 +487,5 @@ async def stop_processes(services: list[ServiceProcess]) -> None:
                 await process.wait()
         if service.log_task is not None:
             await service.log_task
+        if service.log_file is not None:
+            service.log_file.close()

@@ -1,9 +1,12 @@
-"""A run's progress on the terminal (`turnrl run`): a bar with the latest metrics while the
-trainer streams the run's events (StreamProgress), evaluations printed as they come, StopRun
-on Ctrl-C, and the run's summary as a table at the end."""
+"""A run's progress on the terminal (`turnrl run`, `turnrl eval`): a bar with the latest
+metrics while the trainer streams the run's events (StreamProgress), evaluations printed as they
+come, StopRun on Ctrl-C, and at the end the run's summary, or an evaluation's metrics per data
+source, as a table."""
 
 import asyncio
 import json
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -25,8 +28,10 @@ async def follow_run(
     run: trainer_pb2.Run,
     stop_requested: asyncio.Event,
     console: Console,
+    final_table: Callable[[trainer_pb2.Run], Table],
 ) -> int:
-    """Shows a run's progress until it ends; 0 when it succeeded or was stopped, 1 when it failed."""
+    """Shows a run's progress until it ends, then `final_table` of the run; 0 when it succeeded
+    or was stopped, 1 when it failed."""
     stopper = asyncio.create_task(_stop_run_on_request(stub, run.name, stop_requested, console))
     State = trainer_pb2.Run.State
     with Progress(
@@ -45,7 +50,7 @@ async def follow_run(
                     get = trainer_pb2.GetRunRequest(run_name=run.name)
                     progress.update(bar, total=(await stub.GetRun(get, timeout=30)).run.total_steps)
                 progress.update(bar, completed=event.step, status=_status_line(event))
-                if event.stage in ("eval", "setup", "state") and event.message:
+                if event.stage in ("eval", "setup", "upload", "state") and event.message:
                     progress.console.print(
                         f"step {event.step}: {event.stage}: {escape(event.message)}"
                     )
@@ -57,7 +62,7 @@ async def follow_run(
             f"[red]turnrl run: run failed: {escape(final.error_message)}[/red]", highlight=False
         )
         return 1
-    console.print(_summary_table(final))
+    console.print(final_table(final))
     return 0
 
 
@@ -91,7 +96,7 @@ async def _stop_run_on_request(
     await stub.StopRun(trainer_pb2.StopRunRequest(run_name=run_name, save_checkpoint=True))
 
 
-def _summary_table(run: trainer_pb2.Run) -> Table:
+def summary_table(run: trainer_pb2.Run) -> Table:
     """The run's summary.json; the last value of each metric, from GetRun, when the trainer
     runs on another machine and the file is there."""
     summary_file = Path(run.output_dir) / "summary.json"
@@ -105,4 +110,29 @@ def _summary_table(run: trainer_pb2.Run) -> Table:
     table.add_column("value")
     for name, value in summary.items():
         table.add_row(name, f"{value:.3f}" if isinstance(value, float) else str(value))
+    return table
+
+
+# The metrics `trainer_svc.eval_metrics` reports per data source: eval/<source>/mean@n, ...
+SAMPLED_METRIC = re.compile(r"(mean|pass)@\d+")
+
+
+def eval_table(run: trainer_pb2.Run) -> Table:
+    """An evaluation's mean@n and pass@k, overall and per data source, from GetRun's metrics;
+    the run's folder (summary.json, eval/) is named in the title."""
+    by_source: dict[str, dict[str, float]] = {}
+    for name, value in run.metrics.items():
+        source, _, metric = name.removeprefix("eval/").rpartition("/")
+        if name.startswith("eval/") and SAMPLED_METRIC.fullmatch(metric):
+            by_source.setdefault(source or "all", {})[metric] = value
+    columns = sorted({m for metrics in by_source.values() for m in metrics})
+    table = Table(
+        title=f"evaluation of run {run.name!r} (metrics and generations in {run.output_dir})"
+    )
+    table.add_column("data source")
+    for column in columns:
+        table.add_column(column)
+    for source in sorted(by_source, key=lambda s: (s != "all", s)):
+        metrics = by_source[source]
+        table.add_row(source, *(f"{metrics[c]:.3f}" if c in metrics else "-" for c in columns))
     return table

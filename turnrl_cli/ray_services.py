@@ -33,7 +33,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from turnrl.config import ClientConfig, ServerConfig
+from turnrl.config import ClientConfig, HttpJsonServerConfig, ServerConfig
 from turnrl.errors import ConfigError
 from turnrl_cli.launch_tls import (
     LAUNCH_TLS_DIR_ENV,
@@ -148,6 +148,8 @@ class RayService:
     node_id: str
     node_address: str
     address: str = ""
+    gateway_url: str = ""  # not read back from the actor: its node's log has it
+    http_json_url: str = ""  # the same
     ended: tuple[int, list[str]] | None = None  # exit status and last output, once it ended
     restarts: int = 0
     start_args: tuple = ()  # ServiceActor.start's, from `_start`
@@ -359,6 +361,8 @@ async def _start(
         own = [f"{name}.server.host={service.node_address}", f"{name}.server.port=0"]
         if service.server.metrics_port:
             own.append(f"{name}.server.metrics_port=0")
+        if isinstance(service.server, HttpJsonServerConfig) and service.server.http_port:
+            own.append(f"{name}.server.http_port=0")
         env = {**rendezvous, "RANK": str(service.replica)} if rendezvous else {}
         if token := os.environ.get(LAUNCH_TOKEN_ENV):
             env[LAUNCH_TOKEN_ENV] = token

@@ -1,9 +1,9 @@
 """`LlmJudge`: a generative reward model, an LLM that grades a response through a rubric.
 
-The judge is any OpenAI-compatible server (vLLM, SGLang, a hosted API):
-`POST {base_url}/chat/completions` with `{model, messages, temperature, max_tokens, n}`,
-answered by `{choices: [{message: {content}}]}`. The rubric is a prompt template; the judge's
-texts are parsed into scores in [0, 1]:
+The judge is any OpenAI-compatible server (`base_url`, over HTTP) or a turnrl rollout service
+(`rollout`, over gRPC: the judge model runs on turnrl's own engines); the transports are in
+reward_svc/scorers/judge_transport.py, and both bring the same thing, the judge's k answers to
+one prompt. The rubric is a prompt template; the judge's texts are parsed into scores in [0, 1]:
 - `score_out_of`: the last `Score: 7/10`, `Rating: 7 / 10`, `7 out of 10` or bare `7/10`,
   divided by its denominator; a labelled score without one (`Score: 7`, MT-Bench's
   `Rating: [[7]]`) is divided by `max_score`.
@@ -17,13 +17,14 @@ MT-Bench's verdicts `[[A]]`, `[[B]]`, `[[C]]` (tie): a win is 1.0, a tie 0.5, a 
 `swap_positions` it also asks with the two swapped; both orders' samples are pooled, which
 cancels a judge's preference for one position.
 
-`samples` k > 1 is one request with `n=k`: part of the OpenAI API, served by vLLM and SGLang
-from one prompt prefill, and one semaphore slot instead of k. Parse failures are dropped from
-the aggregate and counted in the extras. Samples none of which parse yield `default_score`
-with extras["error"]: the judge read the response and found no verdict in it. A failed call
-(unreachable, timeout, HTTP error, malformed body) raises ScorerUnavailableError: the judge,
-not the response, failed, so the item is the system's failure (turnrl/failures.py), never a
-score. A request the rubric cannot be filled from (no user message, no reference) raises
+`samples` k > 1 is one request with `n=k` (Generate's `n` on the rollout service): served from
+one prompt prefill, and one semaphore slot instead of k. Parse failures are dropped from the
+aggregate and counted in the extras. Samples none of which parse yield `default_score` with
+extras["error"], and are counted (`on_no_verdict`, the reward service's
+turnrl_reward_judge_no_verdict): the judge read the response and found no verdict in it. A
+failed call (unreachable, timeout, an error status, a malformed answer, a judge trajectory that
+ended in ERROR or ABORTED) raises ScorerUnavailableError: the judge, not the response, failed,
+so the item is the system's failure (turnrl/failures.py), never a score. A request the rubric cannot be filled from (no user message, no reference) raises
 ValueError.
 """
 
@@ -31,18 +32,21 @@ import asyncio
 import json
 import re
 import statistics
-import string
 from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Literal, Self
 
-import httpx
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field, model_validator
 
 from reward_svc.scorers.base import Score, ScorerUnavailableError, ScoringRequest
-from turnrl.config import StrictModel, read_secret_env
-from turnrl.http_json import HttpJsonError, post_json
+from reward_svc.scorers.judge_transport import (
+    ChatCompletionsTransport,
+    JudgeTransport,
+    RolloutServiceTransport,
+)
+from turnrl.config import ClientConfig, StrictModel, rubric_placeholders
+from turnrl.v1 import common_pb2
 
 POINTWISE_PLACEHOLDERS = frozenset({"question", "response", "reference"})
 PAIRWISE_PLACEHOLDERS = frozenset({"question", "response_a", "response_b"})
@@ -76,16 +80,28 @@ class JudgeOptions(StrictModel):
     data_sources: list[str] = Field(
         min_length=1, description="The `data_source` values of the items this judge grades."
     )
-    base_url: str = Field(
+    base_url: str | None = Field(
+        default=None,
         pattern=r"^https?://",
         description="Base URL of an OpenAI-compatible server, e.g. 'http://127.0.0.1:8000/v1'; "
-        "calls POST {base_url}/chat/completions.",
+        "calls POST {base_url}/chat/completions. Exactly one of base_url and rollout.",
     )
-    model: str = Field(description="Model name sent in each request.")
+    rollout: ClientConfig | None = Field(
+        default=None,
+        description="A turnrl rollout service serving the judge model (address, or several "
+        "replicas' comma-separated; TLS and auth token as for any client), called with "
+        "RolloutService.Generate. Exactly one of base_url and rollout.",
+    )
+    model: str | None = Field(
+        default=None,
+        description="base_url only, and required there: the model name sent in each request. "
+        "(A rollout service serves one model.)",
+    )
     api_key_env: str | None = Field(
         default=None,
-        description="Name of an environment variable holding the API key, sent as "
-        "'Authorization: Bearer <key>'. None: no key.",
+        description="base_url only: name of an environment variable holding the API key, sent "
+        "as 'Authorization: Bearer <key>'. None: no key. (A rollout service's token is "
+        "rollout.auth_token_env.)",
     )
     request_timeout_seconds: float = Field(
         default=60.0,
@@ -96,8 +112,9 @@ class JudgeOptions(StrictModel):
     max_retries: int = Field(
         default=2,
         ge=0,
-        description="Retries of a call after a connection error or an HTTP 429 or 5xx answer, "
-        "with exponential back-off, within request_timeout_seconds.",
+        description="base_url only: retries of a call after a connection error or an HTTP 429 "
+        "or 5xx answer, with exponential back-off, within request_timeout_seconds. (A rollout "
+        "service's call is tried up to rollout.max_attempts times on UNAVAILABLE.)",
     )
     max_concurrency: int = Field(
         default=8, ge=1, description="Calls to the server in flight at once, over all items."
@@ -149,6 +166,27 @@ class JudgeOptions(StrictModel):
     )
 
     @model_validator(mode="after")
+    def _one_server(self) -> Self:
+        if (self.base_url is None) == (self.rollout is None):
+            given = "both" if self.base_url is not None else "neither"
+            raise ValueError(
+                f"judge {self.name!r} sets {given} of base_url and rollout; set exactly one: "
+                "base_url for an OpenAI-compatible server, rollout: {address: host:port} for "
+                "a turnrl rollout service"
+            )
+        if self.base_url is not None and self.model is None:
+            raise ValueError(f"judge {self.name!r}: base_url needs model, the name to request")
+        http_only = [key for key in ("api_key_env", "model") if getattr(self, key) is not None]
+        http_only += ["max_retries"] if "max_retries" in self.model_fields_set else []
+        if self.rollout is not None and http_only:
+            raise ValueError(
+                f"judge {self.name!r}: {http_only} apply to base_url, not to a rollout service "
+                "(it serves one model; its token is rollout.auth_token_env, its tries "
+                "rollout.max_attempts)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _consistent(self) -> Self:
         allowed, required = (
             (PAIRWISE_PLACEHOLDERS, {"response_a", "response_b"})
@@ -177,15 +215,6 @@ class JudgeOptions(StrictModel):
                 "greedy answer; set temperature > 0, or samples to 1"
             )
         return self
-
-
-def rubric_placeholders(rubric: str) -> set[str]:
-    """The field names of a `str.format` template; ValueError when it is malformed."""
-    try:
-        fields = [field for _, field, _, _ in string.Formatter().parse(rubric)]
-    except ValueError as e:
-        raise ValueError(f"rubric is not a valid template ({e}); double literal braces") from None
-    return {field for field in fields if field is not None}
 
 
 def parse_score_out_of(text: str, max_score: float) -> float | None:
@@ -257,37 +286,20 @@ AGGREGATES: dict[str, Callable[[Sequence[float]], float]] = {
 }
 
 
-class _Message(BaseModel):
-    content: str | None = None
-
-
-class _Choice(BaseModel):
-    message: _Message
-
-
-class _ChatCompletion(BaseModel):
-    choices: list[_Choice]
-
-
 class LlmJudge:
-    """Grades responses with an LLM through a rubric; `score` may be called concurrently."""
+    """Grades responses with an LLM through a rubric; `score` may be called concurrently.
 
-    def __init__(self, options: JudgeOptions):
+    Build it inside the event loop that calls `score` (a rollout judge opens gRPC channels).
+    `on_no_verdict` is called for each item none of whose answers held a verdict.
+    """
+
+    def __init__(self, options: JudgeOptions, on_no_verdict: Callable[[], None]):
         self.options = options
-        self.url = options.base_url.rstrip("/") + "/chat/completions"
         self._placeholders = rubric_placeholders(options.rubric)
         # Shared by every call of this judge, so concurrent items queue here, not at the server.
         self._slots = asyncio.Semaphore(options.max_concurrency)
-        headers = {}
-        if options.api_key_env is not None:
-            headers["Authorization"] = f"Bearer {read_secret_env(options.api_key_env)}"
-        # trust_env=False: no proxy or netrc from the environment.
-        self._client = httpx.AsyncClient(
-            headers=headers,
-            timeout=options.request_timeout_seconds,
-            limits=httpx.Limits(max_connections=options.max_concurrency),
-            trust_env=False,
-        )
+        self._on_no_verdict = on_no_verdict
+        self._transport = open_transport(options)
 
     async def score(self, request: ScoringRequest) -> Score:
         """The judge's score of `request.response_text`, with its samples in the extras.
@@ -309,7 +321,9 @@ class LlmJudge:
                 if (sample_score := parse(text)) is not None:
                     scores.append(sample_score)
         if not scores:
-            return self._failed(f"none of the judge's {len(texts)} answers held a verdict", texts)
+            return self._no_verdict(
+                f"none of the judge's {len(texts)} answers held a verdict", texts
+            )
         return Score(AGGREGATES[self.options.aggregate](scores), _extras(texts, scores))
 
     def _prompts(self, request: ScoringRequest) -> list[tuple[str, Callable[[str], float | None]]]:
@@ -340,41 +354,50 @@ class LlmJudge:
         ]
 
     async def _complete(self, prompt: str) -> list[str]:
-        """The judge's `samples` answers to `prompt`; ScorerUnavailableError naming the URL
-        when the call fails."""
+        """The judge's `samples` answers to `prompt`; ScorerUnavailableError when the call
+        fails."""
         messages = [{"role": "user", "content": prompt}]
         if self.options.system_prompt is not None:
             messages.insert(0, {"role": "system", "content": self.options.system_prompt})
-        body = {
-            "model": self.options.model,
-            "messages": messages,
-            "temperature": self.options.temperature,
-            "max_tokens": self.options.max_tokens,
-            "n": self.options.samples,
-        }
         async with self._slots:
-            try:
-                completion = await post_json(
-                    self._client,
-                    self.url,
-                    body,
-                    _ChatCompletion,
-                    timeout_seconds=self.options.request_timeout_seconds,
-                    max_retries=self.options.max_retries,
-                )
-            except HttpJsonError as e:
-                raise self._error(str(e)) from None
-        return [choice.message.content or "" for choice in completion.choices]
+            return await self._transport.complete(messages)
 
-    def _error(self, what: str) -> ScorerUnavailableError:
-        return ScorerUnavailableError(f"judge {self.options.name!r} at {self.url!r} {what}")
-
-    def _failed(self, error: str, texts: list[str]) -> Score:
+    def _no_verdict(self, error: str, texts: list[str]) -> Score:
+        self._on_no_verdict()
         return Score(self.options.default_score, {"error": error, **_extras(texts, [])})
 
     async def close(self) -> None:
-        """Closes the HTTP connections."""
-        await self._client.aclose()
+        """Closes the connections to the judge's server."""
+        await self._transport.close()
+
+
+def open_transport(options: JudgeOptions) -> JudgeTransport:
+    """The transport to the server `options` names: its rollout service, else its base_url."""
+    if options.rollout is not None:
+        return RolloutServiceTransport(
+            options.name,
+            options.rollout,
+            samples=options.samples,
+            sampling=common_pb2.SamplingParams(temperature=options.temperature),
+            max_new_tokens=options.max_tokens,
+            timeout_seconds=options.request_timeout_seconds,
+        )
+    assert options.base_url is not None and options.model is not None  # JudgeOptions checks
+    body = {
+        "model": options.model,
+        "temperature": options.temperature,
+        "max_tokens": options.max_tokens,
+        "n": options.samples,
+    }
+    return ChatCompletionsTransport(
+        options.name,
+        options.base_url,
+        body,
+        api_key_env=options.api_key_env,
+        timeout_seconds=options.request_timeout_seconds,
+        max_retries=options.max_retries,
+        max_connections=options.max_concurrency,
+    )
 
 
 def _extras(texts: list[str], scores: list[float]) -> dict[str, Any]:

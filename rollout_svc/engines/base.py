@@ -1,19 +1,20 @@
 """The engine interface: token ids in, token ids and their logprobs out.
 
-An engine never sees text. The agent loop hands it the exact ids of the conversation so far
+An engine is given no text. The agent loop hands it the exact ids of the conversation so far
 and keeps the ids it returns as they are (token-in, token-out), so the trainer trains on
-precisely the tokens the policy sampled.
+precisely the tokens the policy sampled. It decodes text only to find stop strings, which end
+a generation but cut nothing from its ids (`stop_strings.py`).
 """
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from turnrl.errors import FailedPreconditionError, InvalidArgumentError
-from turnrl.weights import BucketedWeights, TensorMeta
+from turnrl.weights import BucketedWeights, LoraAdapter, TensorMeta
 
 
 @dataclass(frozen=True)
@@ -28,13 +29,18 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # Ids that end the turn (kept in the output), besides the engine's own EOS ids.
     stop_token_ids: tuple[int, ...] = ()
+    # Text that ends the turn once the output spells it (OpenAI's `stop`); the ids that spell
+    # it are kept in the output.
+    stop_strings: tuple[str, ...] = ()
     seed: int | None = None
 
 
 class FinishReason(enum.StrEnum):
     """Why one generation ended."""
 
-    STOP = "stop"  # a stop or EOS token was sampled (it is the last output id)
+    # A stop or EOS token was sampled (it is the last output id), or the last id completed a
+    # stop string.
+    STOP = "stop"
     LENGTH = "length"  # max_new_tokens was reached
     ABORT = "abort"  # abort() was called; the output holds the tokens sampled until then
 
@@ -116,11 +122,23 @@ class Engine(Protocol):
         """Version of the weights now loaded; 0 for the initial weights."""
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, request_id: str, session_id: str = ""
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str,
+        session_id: str = "",
+        *,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerateOutput:
         """Samples a continuation of `input_ids`. Requests of one `session_id` (one trajectory)
         extend each other; an engine may keep the session's KV cache between them and
-        recompute only the new suffix. A prompt that `check_prompt` refuses is refused."""
+        recompute only the new suffix. A prompt that `check_prompt` refuses is refused.
+
+        `on_tokens` is called on the caller's event loop with each run of newly sampled ids,
+        before generate returns: the runs, joined in order, are the output's `output_ids`.
+        The hf engine calls it per decode step (one id); the server engines (SGLang, vLLM)
+        do not stream from their servers and call it once, with the whole output, when the
+        request returns."""
 
     async def abort(self, request_id: str) -> None:
         """Ends a running request early: its generate() returns with FinishReason.ABORT."""
@@ -164,6 +182,24 @@ class Engine(Protocol):
         update may come in several calls, one per bucket as it arrives, after
         begin_weight_update: all but the last pass the version loaded now, the last the new
         one. Tensors that are views of `weight_buffer` are in place already."""
+
+    @property
+    def lora_adapters_refusal(self) -> str:
+        """Why the engine does not load LoRA adapters (load_lora_adapter), with how to make it;
+        empty when it does."""
+
+    async def load_lora_adapter(
+        self,
+        adapter: LoraAdapter,
+        named_tensors: list[tuple[str, torch.Tensor]],
+        policy_version: int,
+    ) -> None:
+        """Applies `named_tensors`, a LoRA adapter under peft's saved names, in place of the
+        adapter applied so far (engine paused by the caller), with the base weights unchanged,
+        and takes `policy_version`; running requests recompute their KV as after
+        update_weights. Raises FailedPreconditionError for an adapter of another rank, alpha
+        or target modules than the engine can apply, InvalidArgumentError for a tensor that is
+        no adapter tensor of the model, or a set that leaves one out."""
 
     async def watch(self) -> None:
         """Waits while the engine can serve; raises UnavailableError, with the cause, once it

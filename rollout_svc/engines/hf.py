@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Self
 
 import torch
-from transformers import PreTrainedModel
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from rollout_svc.engines.base import (
     FinishReason,
@@ -44,12 +44,20 @@ from rollout_svc.engines.base import (
 from rollout_svc.engines.hf_cache import Kv, SessionKvStore
 from rollout_svc.engines.hf_compute import ModelRunner, Request, load_model
 from rollout_svc.engines.hf_options import HfEngineOptions, validate_request
+from rollout_svc.engines.stop_strings import ends_on_stop_string
 from turnrl.errors import AlreadyExistsError, FailedPreconditionError, UnavailableError
-from turnrl.weights import BucketedWeights, TensorMeta
+from turnrl.weights import BucketedWeights, LoraAdapter, TensorMeta
 
 logger = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_SECONDS = 60.0
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable, *args: object) -> None:
+    """Calls `callback(*args)` on another thread's loop; a closed loop means nobody is
+    waiting any more."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback, *args)
 
 
 def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future, outcome: object) -> None:
@@ -63,9 +71,7 @@ def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future, outcome: ob
         else:
             future.set_result(outcome)
 
-    # A closed loop means nobody is awaiting any more.
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(settle)
+    _call_soon(loop, settle)
 
 
 def _outcome_of(command: Callable[[], object]) -> object:
@@ -87,9 +93,17 @@ class HfEngine:
     importance ratio is 1 when the weights have not changed.
     """
 
-    def __init__(self, model: PreTrainedModel, options: HfEngineOptions, max_model_len: int):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        options: HfEngineOptions,
+        max_model_len: int,
+    ):
         """`max_model_len`: most tokens (prompt + response) of one request; a longer prompt is
-        rejected and generation ends with LENGTH on reaching it."""
+        rejected and generation ends with LENGTH on reaching it. `tokenizer` decodes outputs
+        to find stop strings."""
+        self._tokenizer = tokenizer
         self._options = options
         self._max_model_len = max_model_len
         self._runner = ModelRunner(model, options.max_batch_size, max_model_len)
@@ -123,9 +137,11 @@ class HfEngine:
 
     @classmethod
     async def create(cls, options: HfEngineOptions, model_path: str, max_model_len: int) -> Self:
-        """Loads the model in `model_path` (in a thread) and starts the worker."""
+        """Loads the model and its tokenizer in `model_path` (in a thread) and starts the
+        worker."""
         model = await asyncio.to_thread(load_model, model_path, options.dtype, options.device)
-        return cls(model, options, max_model_len)
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_path)
+        return cls(model, tokenizer, options, max_model_len)
 
     @property
     def policy_version(self) -> int:
@@ -141,9 +157,16 @@ class HfEngine:
             return None if self._paused else self._incomplete_update
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, request_id: str, session_id: str = ""
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str,
+        session_id: str = "",
+        *,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerateOutput:
-        """Samples a continuation of `input_ids` (see the `Engine` protocol). Raises
+        """Samples a continuation of `input_ids` (see the `Engine` protocol), calling
+        `on_tokens` with each id as the step that samples it ends. Raises
         InvalidArgumentError for an empty or too long prompt, an id outside the vocabulary or a
         bad sampling value; AlreadyExistsError when `request_id` is running; FailedPrecondition
         after close(), and `broken_push_error` while a weight update is incomplete (also for
@@ -163,6 +186,7 @@ class HfEngine:
             generator=None if greedy else torch.Generator(device).manual_seed(seed),
             future=loop.create_future(),
             loop=loop,
+            on_tokens=on_tokens,
         )
         with self._lock:
             if self._closed:
@@ -221,6 +245,25 @@ class HfEngine:
         and running requests recompute their KV from their tokens under the new weights.
         """
         await self._call_in_worker(lambda: self._load_weights(list(named_tensors), policy_version))
+
+    @property
+    def lora_adapters_refusal(self) -> str:
+        """Empty: the engine loads LoRA adapters (`load_lora_adapter`)."""
+        return ""
+
+    async def load_lora_adapter(
+        self,
+        adapter: LoraAdapter,
+        named_tensors: list[tuple[str, torch.Tensor]],
+        policy_version: int,
+    ) -> None:
+        """Copies the adapter into the model's LoRA layers, put on by the first adapter, and
+        takes `policy_version` (`ModelRunner.load_adapter`: its errors, its limits). Runs
+        between two decode steps (the caller pauses first); on success every cached session
+        KV is dropped, and running requests recompute their KV under the new adapter."""
+        await self._call_in_worker(
+            lambda: self._load_adapter(adapter, named_tensors, policy_version)
+        )
 
     async def weight_buffer(
         self, metas: Sequence[TensorMeta], bucket_size_bytes: int
@@ -425,6 +468,10 @@ class HfEngine:
                 self._finish(request, error, None)
             return
         failed = self._runner.sample(requests, logits)
+        for row, request in enumerate(requests):
+            if request.on_tokens is not None and row not in failed:
+                # Queued on the loop before the request's result is (`_flush`), so in order.
+                _call_soon(request.loop, request.on_tokens, request.output_ids[-1:])
         done = [(row, failed.get(row) or self._finish_reason(r)) for row, r in enumerate(requests)]
         done = [(row, outcome) for row, outcome in done if outcome is not None]
         removed = self._runner.batch.remove([row for row, _ in done])
@@ -432,7 +479,9 @@ class HfEngine:
             self._finish(request, outcome, kv)
 
     def _finish_reason(self, request: Request) -> FinishReason | None:
-        if request.output_ids[-1] in request.stop_token_ids:
+        if request.output_ids[-1] in request.stop_token_ids or ends_on_stop_string(
+            self._tokenizer.decode, request.output_ids, request.sampling.stop_strings
+        ):
             return FinishReason.STOP
         if (
             len(request.output_ids) >= request.sampling.max_new_tokens
@@ -473,6 +522,19 @@ class HfEngine:
         self, named_tensors: list[tuple[str, torch.Tensor]], policy_version: int
     ) -> None:
         self._runner.load_weights(named_tensors, policy_version)
+        self._after_load(policy_version)
+
+    def _load_adapter(
+        self,
+        adapter: LoraAdapter,
+        named_tensors: list[tuple[str, torch.Tensor]],
+        policy_version: int,
+    ) -> None:
+        self._runner.load_adapter(adapter, named_tensors, policy_version)
+        self._after_load(policy_version)
+
+    def _after_load(self, policy_version: int) -> None:
+        """What follows loading weights of `policy_version`: the cached KV is stale."""
         with self._lock:
             self._sessions.clear()
             if self._incomplete_update is not None and policy_version >= self._incomplete_update:

@@ -13,17 +13,18 @@ so its tokens are contiguous and every query attends to at least itself.
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
+from peft import LoraConfig, inject_adapter_in_model
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from rollout_svc.engines.base import FinishReason, GenerateOutput, SamplingParams
 from rollout_svc.engines.hf_cache import BatchKv, Kv
 from turnrl.errors import FailedPreconditionError, InvalidArgumentError
-from turnrl.weights import BucketedWeights, TensorMeta
+from turnrl.weights import PEFT_PREFIX, BucketedWeights, LoraAdapter, TensorMeta
 
 # Requests admitted together whose prompts start alike (a system prompt) compute the common
 # part once when it is at least this long.
@@ -43,6 +44,7 @@ class Request:
     generator: torch.Generator | None  # None: greedy
     future: asyncio.Future[GenerateOutput]
     loop: asyncio.AbstractEventLoop
+    on_tokens: Callable[[list[int]], None] | None = None  # called on `loop` per sampled id
     submitted_at: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -179,6 +181,10 @@ class ModelRunner:
         self.policy_version = 0
         # The parameters' home once a weight push has laid them out as it travels.
         self._weight_buffer: BucketedWeights | None = None
+        # The base parameters by their checkpoint names, which LoRA layers change (q_proj.weight
+        # becomes q_proj.base_layer.weight) but keep the same objects.
+        self._parameters = dict(model.named_parameters(remove_duplicate=False))
+        self.adapter: LoraAdapter | None = None  # the shape of the LoRA layers put on
         self.counters = {"tokens_generated": 0, "prefill_tokens": 0, "prefill_forwards": 0}
 
     def prefill(self, requests: list[Request]) -> list[Kv | None]:
@@ -307,7 +313,7 @@ class ModelRunner:
     ) -> dict[str, torch.nn.Parameter]:
         """The model's parameters by name, once every (name, shape) is checked against them:
         InvalidArgumentError names the first unknown name or wrong shape."""
-        parameters = dict(self.model.named_parameters(remove_duplicate=False))
+        parameters = self._parameters
         for name, shape in shapes:
             if name not in parameters:
                 raise InvalidArgumentError(
@@ -351,7 +357,74 @@ class ModelRunner:
         for name, tensor in named_tensors:
             if tensor.data_ptr() != parameters[name].data_ptr():  # else received in place
                 parameters[name].copy_(tensor)
+        # Whole weights are the whole policy: an adapter applied so far would count twice.
+        for name, parameter in self.model.named_parameters():
+            if ".lora_B." in name:
+                parameter.zero_()
         self.policy_version = policy_version
+
+    def load_adapter(
+        self,
+        adapter: LoraAdapter,
+        named_tensors: list[tuple[str, torch.Tensor]],
+        policy_version: int,
+    ) -> None:
+        """Copies a LoRA adapter, under peft's saved names, into the model's LoRA layers and
+        takes `policy_version`. The first adapter puts the layers on (peft's
+        `inject_adapter_in_model`: each target linear layer becomes a LoRA layer in place, so
+        the forwards apply it); later ones must have its shape. FailedPreconditionError for
+        another rank, alpha or target modules: the layers cannot be taken off again cleanly,
+        and a run's LoRA settings are fixed, so only a new run with other settings meets it,
+        and its rollout service restarts to load its model afresh. InvalidArgumentError, with
+        the model unchanged, for a name the layers lack, a wrong shape, or a layer left out.
+        KV computed under the old adapter is the caller's to drop."""
+        if self.adapter is None:
+            config = LoraConfig(
+                r=adapter.rank,
+                lora_alpha=adapter.alpha,
+                target_modules=list(adapter.target_modules),
+                lora_dropout=0.0,
+            )
+            inject_adapter_in_model(config, self.model)
+            self.adapter = adapter
+        elif adapter != self.adapter:
+            raise FailedPreconditionError(
+                f"the engine applies LoRA adapters of {self.adapter}, not {adapter}; restart "
+                "the rollout service to load adapters of another shape"
+            )
+        slots = {
+            name: parameter
+            for name, parameter in self.model.named_parameters()
+            if ".lora_A." in name or ".lora_B." in name
+        }
+        tensors = {adapter_parameter_name(name): tensor for name, tensor in named_tensors}
+        for name, tensor in tensors.items():
+            if name not in slots:
+                raise InvalidArgumentError(f"{name!r} is no LoRA adapter tensor of the model")
+            if tuple(tensor.shape) != tuple(slots[name].shape):
+                raise InvalidArgumentError(
+                    f"adapter tensor {name!r} has shape {tuple(tensor.shape)}, the model's "
+                    f"{tuple(slots[name].shape)}"
+                )
+        missing = sorted(slots.keys() - tensors.keys())
+        if missing:
+            raise InvalidArgumentError(
+                f"the adapter leaves out {len(missing)} of the model's adapter tensors, e.g. "
+                f"{missing[0]!r}"
+            )
+        for name, tensor in tensors.items():
+            slots[name].copy_(tensor)
+        self.policy_version = policy_version
+
+
+def adapter_parameter_name(saved_name: str) -> str:
+    """The model's parameter that holds a peft saved adapter tensor:
+    "base_model.model.X.lora_A.weight" is "X.lora_A.default.weight" once peft put its layers
+    on the model (under the adapter name "default")."""
+    name = saved_name.removeprefix(PEFT_PREFIX)
+    for part in ("lora_A", "lora_B"):
+        name = name.replace(f".{part}.weight", f".{part}.default.weight")
+    return name
 
 
 def _common_prefix_len(sequences: list[list[int]]) -> int:

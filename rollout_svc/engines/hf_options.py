@@ -67,6 +67,7 @@ def validate_request(
         "top_k": sampling.top_k >= 0,
         "min_p": 0 <= sampling.min_p <= 1,
         "repetition_penalty": 0 < sampling.repetition_penalty < math.inf,
+        "stop_strings": all(sampling.stop_strings),  # "" would end every turn at once
     }
     for name, ok in checks.items():
         if not ok:

@@ -9,7 +9,11 @@ engine's `resume` aborts the requests that were in flight.
 """
 
 import asyncio
+import logging
+import shutil
+import tempfile
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -18,8 +22,11 @@ from rollout_svc.engines.base import FinishReason, GenerateOutput, broken_push_e
 from rollout_svc.engines.engine_http import EngineHttp
 from rollout_svc.engines.server_engine_options import ServerEngineOptions
 from rollout_svc.engines.server_process import stop_process_group
-from turnrl.errors import FailedPreconditionError, UnavailableError
-from turnrl.weights import BucketedWeights, TensorMeta
+from rollout_svc.engines.server_weights import check_not_older, write_adapter
+from turnrl.errors import FailedPreconditionError, TurnrlError, UnavailableError
+from turnrl.weights import BucketedWeights, LoraAdapter, TensorMeta
+
+log = logging.getLogger(__name__)
 
 
 class ServerWeightPath(Protocol):
@@ -58,16 +65,28 @@ class ServerWeightPath(Protocol):
     ) -> None: ...
 
 
+def token_policy_versions(adapter: tuple[str, int] | None, server_versions: list[int]) -> list[int]:
+    """The policy version of each output token of a request generated with `adapter` (the
+    engine's `adapter` when it was sent): the adapter's, as the versions the server reports
+    (`server_versions`, one a token) count whole-weight updates only; the server's without."""
+    return server_versions if adapter is None else [adapter[1]] * len(server_versions)
+
+
 class ServerEngine:
     """The parts of the `Engine` protocol the SGLang and vLLM engines share. A subclass builds
-    its `EngineHttp` and weights object, calls this `__init__`, and keeps the requests it has
-    running in `_running` (by the caller's request id)."""
+    its `EngineHttp` and weights object, calls this `__init__`, keeps the requests it has
+    running in `_running` (by the caller's request id), names its server's adapter routes, and
+    generates with `adapter` once one is set."""
+
+    LOAD_ADAPTER_PATH: str  # takes {"lora_name", "lora_path"}
+    UNLOAD_ADAPTER_PATH: str  # takes {"lora_name"}
 
     def __init__(
         self,
         http: EngineHttp,
         weights: ServerWeightPath,
         options: ServerEngineOptions,
+        model_path: str,
         max_model_len: int,
         process: asyncio.subprocess.Process | None,
     ) -> None:
@@ -77,9 +96,15 @@ class ServerEngine:
         self._options = options
         self._max_model_len = max_model_len
         self._process = process
+        self._model_path = model_path
         self._running: dict[str, str] | set[str] = set()
         self._paused = False
         self._totals = {"requests": 0, "generated_tokens": 0, "aborted": 0}
+        # The LoRA adapter requests are generated with, as (name, policy version), once one
+        # was pushed; its folder and earlier ones' live under `_adapter_folders`.
+        self.adapter: tuple[str, int] | None = None
+        self._adapter_folders = tempfile.TemporaryDirectory(prefix="turnrl-lora-")
+        self._unloading: set[asyncio.Task] = set()
 
     @property
     def policy_version(self) -> int:
@@ -131,11 +156,12 @@ class ServerEngine:
         layout: str,
         policy_version: int,
     ) -> None:
-        """Has the server receive an update broadcast on the group. Raises
-        FailedPreconditionError when the engine is not paused, and as the weights object
-        does."""
+        """Has the server receive an update broadcast on the group; the whole weights replace
+        the LoRA adapter applied so far too. Raises FailedPreconditionError when the engine is
+        not paused, and as the weights object does."""
         self._check_paused()
         await self.weights.receive(group_name, metas, bucket_size_bytes, layout, policy_version)
+        self._stop_applying_adapter()
 
     def check_weights(self, metas: Sequence[TensorMeta]) -> None:
         """Raises InvalidArgumentError for a tensor the server's model checkpoint lacks or has
@@ -158,10 +184,83 @@ class ServerEngine:
     ) -> None:
         """Loads weights sent over gRPC (PushWeights, when no weight-sync group formed) as a
         safetensors folder the server reads, so the server must share this machine's disk, as
-        a launched one does. Raises FailedPreconditionError when the engine is not paused, and
-        as the weights object does."""
+        a launched one does; the whole weights replace the LoRA adapter applied so far too.
+        Raises FailedPreconditionError when the engine is not paused, and as the weights object
+        does."""
         self._check_paused()
         await self.weights.update_from_tensors(named_tensors, policy_version)
+        self._stop_applying_adapter()
+
+    # LoRA adapters: written as peft folders the server loads by name.
+
+    @property
+    def lora_adapters_refusal(self) -> str:
+        """Why the server does not load LoRA adapters (no `engine_options.lora`); empty when
+        it does."""
+        if self._options.lora is not None:
+            return ""
+        return (
+            f"the {self._http.name} server was not started with LoRA; set the rollout "
+            "config's engine_options.lora (a launched server gets the flags; start one given "
+            "by url with them), or push merged weights (trainer.lora.push: merged)"
+        )
+
+    async def load_lora_adapter(
+        self,
+        adapter: LoraAdapter,
+        named_tensors: list[tuple[str, torch.Tensor]],
+        policy_version: int,
+    ) -> None:
+        """Writes the adapter as a peft folder under this engine's own temporary folder, has the
+        server load it as "turnrl-v{policy_version}", generates with it from then on, and takes
+        `policy_version`. The adapter applied before is unloaded in the background: the server
+        unloads one only when no request uses it, and the requests retracted by the pause
+        finish under the adapter they started with (a server fixes a request's adapter).
+        Raises FailedPreconditionError when the engine is not paused, the server was not
+        started with LoRA, or the adapter's rank or target modules pass what it was started
+        with; the server's refusal as its error."""
+        self._check_paused()
+        check_not_older(policy_version, self.weights.policy_version)
+        lora = self._options.lora
+        if lora is None:
+            raise FailedPreconditionError(self.lora_adapters_refusal)
+        unknown = sorted(set(adapter.target_modules) - set(lora.target_modules))
+        if adapter.rank > lora.max_rank or unknown:
+            raise FailedPreconditionError(
+                f"adapter of rank {adapter.rank} on {list(adapter.target_modules)}: the "
+                f"{self._http.name} server takes rank {lora.max_rank} at most, on "
+                f"{lora.target_modules}; raise engine_options.lora to match and restart it"
+            )
+        name = f"turnrl-v{policy_version}"
+        folder = Path(self._adapter_folders.name) / name
+        folder.mkdir()
+        write_adapter(named_tensors, adapter, self._model_path, folder)
+        await self._http.call(
+            "POST", self.LOAD_ADAPTER_PATH, {"lora_name": name, "lora_path": str(folder)}
+        )
+        self._stop_applying_adapter()
+        self.adapter = (name, policy_version)
+        self.weights.policy_version = policy_version
+
+    def _stop_applying_adapter(self) -> None:
+        """Generates without the adapter applied so far from now on and unloads it in the
+        background (see load_lora_adapter); nothing when none is applied."""
+        if self.adapter is None:
+            return
+        task = asyncio.create_task(self._unload_adapter(self.adapter[0]))
+        self._unloading.add(task)
+        task.add_done_callback(self._unloading.discard)
+        self.adapter = None
+
+    async def _unload_adapter(self, name: str) -> None:
+        """Unloads an adapter no longer applied and deletes its folder; a failure is logged,
+        as the adapter only takes room on the server."""
+        try:
+            await self._http.call("POST", self.UNLOAD_ADAPTER_PATH, {"lora_name": name})
+        except TurnrlError as e:
+            log.warning("could not unload LoRA adapter %r: %s", name, e)
+            return
+        shutil.rmtree(Path(self._adapter_folders.name) / name, ignore_errors=True)
 
     async def watch(self) -> None:
         """Waits while the server this engine launched runs; raises UnavailableError once its
@@ -193,6 +292,7 @@ class ServerEngine:
         process group, SIGKILL after `shutdown_timeout_seconds`. A server given by `url` keeps
         running."""
         await self._http.close()
+        self._adapter_folders.cleanup()
         if self._process is not None and self._options.launch is not None:
             await stop_process_group(self._process, self._options.launch.shutdown_timeout_seconds)
 

@@ -10,6 +10,25 @@ from rollout_svc.engines.server_process import LaunchOptions
 from turnrl.config import StrictModel
 
 
+class ServerLoraOptions(StrictModel):
+    """`engine_options.lora`: the server loads LoRA adapters at run time, so the trainer can
+    push adapters alone (`trainer.lora.push: adapter`). A launched server is started with LoRA
+    enabled (`lora_server_flags`); a server given by `url` must have been started so."""
+
+    max_rank: int = Field(
+        default=64,
+        gt=0,
+        description="Largest adapter rank the server takes (--max-lora-rank; vLLM's is "
+        "rounded up to a rank it offers).",
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="Every module an adapter may target, by the last part of its name "
+        "(SGLang's --lora-target-modules; vLLM takes any).",
+    )
+
+
 class ServerEngineOptions(StrictModel):
     """Settings of an engine served by a server of its own (the rollout config's
     `engine_options`). The model is the rollout config's `model_path`, the context
@@ -45,6 +64,11 @@ class ServerEngineOptions(StrictModel):
         default=2,
         ge=0,
         description="Retries of an idempotent call that failed to connect or got HTTP 5xx/429.",
+    )
+    lora: ServerLoraOptions | None = Field(
+        default=None,
+        description="Load LoRA adapters pushed by the trainer; null: the server takes whole "
+        "weights only.",
     )
     max_concurrent_requests: int = Field(
         default=1024, gt=0, description="HTTP connections to the server, so requests at once."

@@ -2,9 +2,11 @@
 process, holds: the parameter shapes of the server's checkpoint, read from its safetensors
 headers (no tensor is loaded), the check that an update is newer than the server's, and an
 update written as a safetensors folder (the PushWeights fallback, when no weight-sync group
-formed: SGLang's `/update_weights_from_disk`, the vLLM extension's folder load).
+formed: SGLang's `/update_weights_from_disk`, the vLLM extension's folder load), and a LoRA
+adapter written as the peft folder both servers load adapters from.
 """
 
+import json
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -14,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from turnrl.errors import FailedPreconditionError, InvalidArgumentError
-from turnrl.weights import TensorMeta
+from turnrl.weights import LoraAdapter, TensorMeta
 
 # What a disk update's folder holds besides the weights: SGLang reads the model's config there.
 CONFIG_FILES = ("config.json", "generation_config.json")
@@ -87,3 +89,26 @@ def write_update(
         source = Path(model_path) / name
         if source.is_file():
             shutil.copyfile(source, folder / name)
+
+
+def write_adapter(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    adapter: LoraAdapter,
+    model_path: str,
+    folder: Path,
+) -> None:
+    """The adapter as peft saves one (`PeftModel.save_pretrained`): `folder/adapter_config.json`
+    and `folder/adapter_model.safetensors`, its tensors under peft's saved names."""
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": model_path,
+        "r": adapter.rank,
+        "lora_alpha": adapter.alpha,
+        "target_modules": list(adapter.target_modules),
+        "lora_dropout": 0.0,
+        "bias": "none",
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    tensors = {name: tensor.contiguous() for name, tensor in named_tensors}
+    save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})

@@ -32,12 +32,17 @@ step. Request and reply shapes are `sglang_api`'s.
 - A weight call that fails leaves the server's weights partly updated: the engine then refuses
   to generate (`broken_push_error`) until an update completes, and on resume aborts the
   requests that were in flight.
+- LoRA adapters (`engine_options.lora`: the server starts with `--enable-lora` and its
+  limits): each is written as a peft folder and loaded with `/load_lora_adapter` under a
+  name of its version; every later `/generate` names it as `lora_path`, and its tokens carry
+  that version (the server's `weight_version` counts whole-weight updates only). The adapter
+  it replaces is unloaded with `/unload_lora_adapter` (`ServerEngine.load_lora_adapter`).
 - Calls, their deadlines and retries, and how failures map onto turnrl errors: `engine_http`.
 """
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, Self
 
 import torch
@@ -50,8 +55,8 @@ from rollout_svc.engines.base import (
     check_prompt,
 )
 from rollout_svc.engines.engine_http import EngineHttp
-from rollout_svc.engines.server_engine import ServerEngine
-from rollout_svc.engines.server_engine_options import ServerEngineOptions
+from rollout_svc.engines.server_engine import ServerEngine, token_policy_versions
+from rollout_svc.engines.server_engine_options import ServerEngineOptions, ServerLoraOptions
 from rollout_svc.engines.server_process import start_server
 from rollout_svc.engines.sglang_api import (
     SCHEDULER_RESERVED_TOKENS,
@@ -90,8 +95,24 @@ class SglangEngineOptions(ServerEngineOptions):
     )
 
 
+def lora_server_flags(lora: ServerLoraOptions | None) -> list[str]:
+    """The flags that start an SGLang server able to load adapters at run time (0.5.23's
+    `server_args.py`); at most 2 adapters serve a batch, the new one and the one it replaces."""
+    if lora is None:
+        return []
+    return [
+        "--enable-lora",
+        *("--max-lora-rank", str(lora.max_rank)),
+        *("--lora-target-modules", *lora.target_modules),
+        *("--max-loras-per-batch", "2"),
+    ]
+
+
 class SglangEngine(ServerEngine):
     """The `Engine` protocol over an SGLang server's HTTP API (see the module docstring)."""
+
+    LOAD_ADAPTER_PATH = "/load_lora_adapter"
+    UNLOAD_ADAPTER_PATH = "/unload_lora_adapter"
 
     def __init__(
         self,
@@ -117,7 +138,7 @@ class SglangEngine(ServerEngine):
             options.weight_sync_timeout_seconds,
             options.control_timeout_seconds,
         )
-        super().__init__(http, weights, options, max_model_len, process)
+        super().__init__(http, weights, options, model_path, max_model_len, process)
         self.weights: ServerWeights = weights
         self._max_prompt_len = max_model_len - 1  # the server's own limit, read at start
         self._running: set[str] = set()
@@ -143,7 +164,10 @@ class SglangEngine(ServerEngine):
             assert options.url is not None  # the options validator ensures one of the two
             engine = cls(options, model_path, max_model_len, options.url)
         else:
-            arguments = ["--model-path", model_path, "--context-length", str(max_model_len)]
+            arguments = [
+                *("--model-path", model_path, "--context-length", str(max_model_len)),
+                *lora_server_flags(options.lora),
+            ]
             process, url = await start_server(options.launch, SGLANG_SERVER_MODULE, arguments)
             engine = cls(options, model_path, max_model_len, url, process)
         try:
@@ -167,10 +191,17 @@ class SglangEngine(ServerEngine):
         return engine
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, request_id: str, session_id: str = ""
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str,
+        session_id: str = "",
+        *,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerateOutput:
         """Samples a continuation of `input_ids` (`session_id` is not needed: see the module
-        docstring). When the deadline passes or the caller cancels, the server is told to
+        docstring); `on_tokens` gets the whole output at once, as the server does not stream
+        it. When the deadline passes or the caller cancels, the server is told to
         abort the request before the error propagates.
 
         Raises InvalidArgumentError for empty `input_ids` or a prompt longer than the server
@@ -199,6 +230,9 @@ class SglangEngine(ServerEngine):
             "logprob_start_len": -1,  # logprobs of the output tokens only
             "stream": False,
         }
+        adapter = self.adapter  # the request keeps it to its end, pushes or not
+        if adapter is not None:
+            body["lora_path"] = adapter[0]
         self._running.add(request_id)
         try:
             reply = await self._http.call(
@@ -214,10 +248,14 @@ class SglangEngine(ServerEngine):
         output = GenerateOutput(
             output_ids=[token_id for _, token_id, _ in meta.output_token_logprobs],
             logprobs=[logprob for logprob, _, _ in meta.output_token_logprobs],
-            policy_versions=token_versions(meta, self.weights.policy_version),
+            policy_versions=token_policy_versions(
+                adapter, token_versions(meta, self.weights.policy_version)
+            ),
             finish_reason=FinishReason(meta.finish_reason.type),
             metrics=request_metrics(meta),
         )
+        if on_tokens is not None:
+            on_tokens(output.output_ids)
         return self._count(output)
 
     async def abort(self, request_id: str) -> None:

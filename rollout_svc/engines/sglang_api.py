@@ -93,6 +93,10 @@ def sampling_params(sampling: SamplingParams, max_new_tokens: int) -> dict:
         "skip_special_tokens": False,
         "no_stop_trim": True,
     }
+    if sampling.stop_strings:
+        # The request ends after the id that completes one (`managers/schedule_batch.py`
+        # Req._check_str_based_finish) and, with no_stop_trim, every id comes back.
+        params["stop"] = list(sampling.stop_strings)
     if sampling.seed is not None:  # servers before sampling_seed reject the key
         params["sampling_seed"] = sampling.seed
     return params

@@ -4,7 +4,8 @@ The engine either connects to a running server (`url`) or starts one itself (`la
 `python -m vllm.entrypoints.openai.api_server` bound to 127.0.0.1 from the environment
 `launch.python` names, waits until it is healthy, stops it on close: `server_process`). A server
 given by `url` must have been started the way `create` starts one: `--enable-scale-out`,
-`VLLM_SERVER_DEV_MODE=1` and our worker extension (`server_arguments`, `server_env`).
+`VLLM_SERVER_DEV_MODE=1` and our worker extension (`server_arguments`, `server_env`), and,
+for `engine_options.lora`, with LoRA (`lora_server_flags`, VLLM_ALLOW_RUNTIME_LORA_UPDATING).
 
 Token in, token out: `/inference/v1/generate` gets `token_ids` and answers each sampled token
 with its logprob (`choices[0].logprobs.content`, {token_id, logprob} entries); the ids and
@@ -28,6 +29,13 @@ are `vllm_api`'s.
 - A weight call that fails leaves the server's weights partly updated: the engine then refuses
   to generate (`broken_push_error`) until an update completes, and on resume aborts the
   requests that were in flight.
+- LoRA adapters (`engine_options.lora`): each is written as a peft folder and loaded with
+  `/v1/load_lora_adapter` under a name of its version; every later generate request names it
+  as its `model`, and its tokens carry that version (the server's weight versions count
+  whole-weight updates only). The adapter it replaces is unloaded with
+  `/v1/unload_lora_adapter` (`ServerEngine.load_lora_adapter`), which in vLLM 0.32 only
+  forgets its name (entrypoints/openai/models/serving.py): its workers evict it once a newer
+  one needs its slot (`--max-loras 2`, least recently used first).
 - Seeds: a request's sampling seed reaches a GPU server only; vLLM 0.32's CPU worker dies on
   a seeded request whose prefill is split over steps (`create`).
 - Calls, their deadlines and retries, and how failures map onto turnrl errors: `engine_http`.
@@ -36,6 +44,7 @@ are `vllm_api`'s.
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
 from typing import Self
 
 from pydantic import Field
@@ -47,8 +56,8 @@ from rollout_svc.engines.base import (
     check_prompt,
 )
 from rollout_svc.engines.engine_http import EngineHttp
-from rollout_svc.engines.server_engine import ServerEngine
-from rollout_svc.engines.server_engine_options import ServerEngineOptions
+from rollout_svc.engines.server_engine import ServerEngine, token_policy_versions
+from rollout_svc.engines.server_engine_options import ServerEngineOptions, ServerLoraOptions
 from rollout_svc.engines.server_process import start_server
 from rollout_svc.engines.vllm_api import (
     GENERATE_ID_PREFIX,
@@ -76,6 +85,8 @@ log = logging.getLogger(__name__)
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # Runs inside vLLM's worker processes, which import it from the repository (PYTHONPATH).
 WORKER_EXTENSION_CLASS = "turnrl.vllm_worker_extension.WeightSyncExtension"
+# The values vLLM 0.32's --max-lora-rank takes (config/lora.py: MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class VllmEngineOptions(ServerEngineOptions):
@@ -106,6 +117,17 @@ def server_arguments(model_path: str, max_model_len: int) -> list[str]:
     ]
 
 
+def lora_server_flags(lora: ServerLoraOptions | None) -> list[str]:
+    """The flags that start a vLLM server able to load adapters: --max-lora-rank is the least
+    rank vLLM takes (VLLM_LORA_RANKS) that is at least `max_rank` (a larger one is passed as
+    it is, for vLLM to refuse); at most 2 adapters serve a batch, the new one and the one it
+    replaces. No target modules: vLLM applies an adapter to every module it names."""
+    if lora is None:
+        return []
+    rank = min((r for r in VLLM_LORA_RANKS if r >= lora.max_rank), default=lora.max_rank)
+    return ["--enable-lora", *("--max-lora-rank", str(rank)), *("--max-loras", "2")]
+
+
 def server_env(options: VllmEngineOptions) -> dict[str, str]:
     """The environment a launched server gets besides this process's and `launch.env`."""
     env = {
@@ -115,6 +137,9 @@ def server_env(options: VllmEngineOptions) -> dict[str, str]:
         # vLLM's workers import WORKER_EXTENSION_CLASS from the repository.
         "PYTHONPATH": str(REPO_ROOT),
     }
+    if options.lora is not None:
+        # /v1/load_lora_adapter and /v1/unload_lora_adapter exist only with it.
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"
     if options.cpu_kv_cache_space_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(options.cpu_kv_cache_space_gib)
     return env
@@ -122,6 +147,9 @@ def server_env(options: VllmEngineOptions) -> dict[str, str]:
 
 class VllmEngine(ServerEngine):
     """The `Engine` protocol over a vLLM server's HTTP API (see the module docstring)."""
+
+    LOAD_ADAPTER_PATH = "/v1/load_lora_adapter"
+    UNLOAD_ADAPTER_PATH = "/v1/unload_lora_adapter"
 
     def __init__(
         self,
@@ -143,7 +171,7 @@ class VllmEngine(ServerEngine):
         weights = VllmServerWeights(
             http, model_path, options.weight_sync_timeout_seconds, options.control_timeout_seconds
         )
-        super().__init__(http, weights, options, max_model_len, process)
+        super().__init__(http, weights, options, model_path, max_model_len, process)
         self.weights: VllmServerWeights = weights
         # request_id -> the name the server knows the request by (what abort sends).
         self._running: dict[str, str] = {}
@@ -167,7 +195,7 @@ class VllmEngine(ServerEngine):
             process, url = await start_server(
                 options.launch,
                 VLLM_SERVER_MODULE,
-                server_arguments(model_path, max_model_len),
+                [*server_arguments(model_path, max_model_len), *lora_server_flags(options.lora)],
                 server_env(options),
             )
             engine = cls(options, model_path, max_model_len, url, process)
@@ -208,10 +236,17 @@ class VllmEngine(ServerEngine):
             )
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, request_id: str, session_id: str = ""
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str,
+        session_id: str = "",
+        *,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerateOutput:
         """Samples a continuation of `input_ids` (`session_id` is not needed: see the module
-        docstring). When the deadline passes or the caller cancels, the server is told to
+        docstring); `on_tokens` gets the whole output at once, as the server does not stream
+        it. When the deadline passes or the caller cancels, the server is told to
         abort the request before the error propagates.
 
         Raises InvalidArgumentError for empty `input_ids` or a prompt of max_model_len tokens
@@ -224,12 +259,16 @@ class VllmEngine(ServerEngine):
         if request_id in self._running:
             raise InvalidArgumentError(f"request_id {request_id!r} is already running")
         sent_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
+        body = generate_body(list(input_ids), sampling, sent_id, self._with_seed)
+        adapter = self.adapter  # the request keeps it to its end, pushes or not
+        if adapter is not None:
+            body["model"] = adapter[0]
         self._running[request_id] = GENERATE_ID_PREFIX + sent_id
         try:
             reply = await self._http.call(
                 "POST",
                 "/inference/v1/generate",
-                generate_body(list(input_ids), sampling, sent_id, self._with_seed),
+                body,
                 timeout_seconds=self._options.request_timeout_seconds,
             )
         except (asyncio.CancelledError, DeadlineExceededError):
@@ -243,10 +282,14 @@ class VllmEngine(ServerEngine):
         output = GenerateOutput(
             output_ids=[entry.token_id for entry in choice.logprobs.content],
             logprobs=[entry.logprob for entry in choice.logprobs.content],
-            policy_versions=token_versions(choice, self.weights.policy_version),
+            policy_versions=token_policy_versions(
+                adapter, token_versions(choice, self.weights.policy_version)
+            ),
             finish_reason=FinishReason(choice.finish_reason),
             metrics=request_metrics(parsed),
         )
+        if on_tokens is not None:
+            on_tokens(output.output_ids)
         return self._count(output)
 
     async def abort(self, request_id: str) -> None:

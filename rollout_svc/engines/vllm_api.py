@@ -86,7 +86,9 @@ def generate_body(
     """The body of a /inference/v1/generate request: `input_ids` in, the sampled ids with the
     logprob of each out (`logprobs: 0`: the sampled token's alone, under the raw logits, vLLM's
     default `raw_logprobs` mode, as the hf engine reports them). The sampling seed is sent
-    only `with_seed` (see `VllmEngine.create`)."""
+    only `with_seed` (see `VllmEngine.create`). Stop strings end the generation without
+    cutting its token ids (vLLM trims only the text, v1/engine/detokenizer.py), and vLLM makes
+    the text it finds them in only when asked to detokenize."""
     params = {
         "max_tokens": sampling.max_new_tokens,
         "temperature": sampling.temperature,
@@ -95,10 +97,12 @@ def generate_body(
         "min_p": sampling.min_p,
         "repetition_penalty": sampling.repetition_penalty,
         "stop_token_ids": list(sampling.stop_token_ids),
+        "stop": list(sampling.stop_strings),
         "seed": sampling.seed if with_seed else None,
         "logprobs": 0,
-        # Token in, token out: no text is made, nothing dropped from what comes back.
-        "detokenize": False,
+        # Token in, token out: no text is made but for stop strings, nothing dropped from what
+        # comes back.
+        "detokenize": bool(sampling.stop_strings),
         "skip_special_tokens": False,
     }
     return {

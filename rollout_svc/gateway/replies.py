@@ -37,9 +37,13 @@ def model_list(model_name: str, created: int) -> dict[str, Any]:
 
 
 def completion(
-    completion_id: str, created: int, model: str, turn: ModelTurn, logprobs: list | None
+    completion_id: str,
+    created: int,
+    model: str,
+    turns: list[ModelTurn],
+    logprobs: list[list | None],
 ) -> dict[str, Any]:
-    """A `chat.completion` with one choice."""
+    """A `chat.completion` with a choice per turn (`logprobs`: each one's, or None)."""
     return {
         "id": completion_id,
         "object": "chat.completion",
@@ -48,31 +52,33 @@ def completion(
         "system_fingerprint": None,
         "choices": [
             {
-                "index": 0,
+                "index": index,
                 "message": {**_message(turn), "refusal": None},
-                "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
+                "logprobs": None if entries is None else {"content": entries, "refusal": None},
                 "finish_reason": turn.finish_reason,
             }
+            for index, (turn, entries) in enumerate(zip(turns, logprobs, strict=True))
         ],
-        "usage": usage(turn),
+        "usage": usage(turns),
     }
 
 
-def usage(turn: ModelTurn) -> dict[str, int]:
-    completion_tokens = len(turn.output_ids)
+def usage(turns: list[ModelTurn]) -> dict[str, int]:
+    """The prompt's tokens once, and every choice's sampled tokens."""
+    prompt_tokens = turns[0].prompt_tokens
+    completion_tokens = sum(len(turn.output_ids) for turn in turns)
     return {
-        "prompt_tokens": turn.prompt_tokens,
+        "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
-        "total_tokens": turn.prompt_tokens + completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
 
 
 def token_logprobs(tokenizer: Any, turn: ModelTurn) -> list[dict[str, Any]]:
-    """`logprobs.content`: each sampled token, its text, bytes and logprob. The stop token a
-    turn ended on is left out, as it is of the content."""
-    ids, logprobs = turn.output_ids, turn.logprobs
-    if turn.finish_reason != "length":
-        ids, logprobs = ids[:-1], logprobs[:-1]
+    """`logprobs.content`: each sampled token, its text, bytes and logprob. The stop token or
+    the tokens of the stop string a turn ended on are left out, as they are of the content."""
+    kept = len(turn.output_ids) - turn.stop_token_count
+    ids, logprobs = turn.output_ids[:kept], turn.logprobs[:kept]
     entries = []
     for token_id, logprob in zip(ids, logprobs, strict=True):
         text = tokenizer.decode([token_id])
@@ -88,13 +94,14 @@ def chunk(
     model: str,
     delta: dict[str, Any] | None,
     *,
+    index: int = 0,
     finish_reason: str | None = None,
     logprobs: list | None = None,
     with_usage: bool = False,
     turn_usage: dict[str, int] | None = None,
 ) -> str:
-    """One server-sent event holding a `chat.completion.chunk`: a choice's delta, or (`delta`
-    None) the usage chunk that has no choices. `with_usage`: the stream was asked for usage, so
+    """One server-sent event holding a `chat.completion.chunk`: choice `index`'s delta, or
+    (`delta` None) the usage chunk that has no choices. `with_usage`: the stream was asked for usage, so
     every chunk carries the field, null but in the last."""
     body: dict[str, Any] = {
         "id": completion_id,
@@ -106,7 +113,7 @@ def chunk(
         if delta is None
         else [
             {
-                "index": 0,
+                "index": index,
                 "delta": delta,
                 "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
                 "finish_reason": finish_reason,
@@ -118,12 +125,15 @@ def chunk(
     return event(body)
 
 
-def turn_deltas(turn: ModelTurn) -> Iterator[dict[str, Any]]:
-    """The deltas that follow the role's, as OpenAI streams them: the content, then each tool
-    call's id and name, then its arguments."""
+def turn_deltas(turn: ModelTurn, streamed: str = "") -> Iterator[dict[str, Any]]:
+    """The deltas that follow the role's and the content `streamed` while the turn was
+    sampled (where its content begins), as OpenAI streams them: the rest of the content,
+    then each tool call's id and name, then its arguments."""
     message = _message(turn)
-    if message["content"]:
-        yield {"content": message["content"]}
+    content = message["content"] or ""
+    assert content.startswith(streamed), (streamed, content)
+    if rest := content[len(streamed) :]:
+        yield {"content": rest}
     for index, call in enumerate(message.get("tool_calls", [])):
         function = call["function"]
         opening = {"name": function["name"], "arguments": ""}
@@ -142,7 +152,8 @@ def event(body: dict[str, Any] | str) -> str:
 
 def trajectory_json(trajectory: Trajectory) -> dict[str, Any]:
     """A session's trajectory: ids, masks, the engine's logprob per token (0 outside the loss),
-    the policy version of each model segment, the segments and the messages."""
+    the policy version of each model segment, the segments, the [start, end) token positions
+    of each part (history.py) and the messages."""
     return {
         "trajectory_id": trajectory.trajectory_id,
         "finish_reason": trajectory.finish_reason.name.lower()
@@ -162,6 +173,7 @@ def trajectory_json(trajectory: Trajectory) -> dict[str, Any]:
             }
             for segment in trajectory.segments
         ],
+        "parts": trajectory.parts,
         "messages": trajectory.messages,
         "metrics": trajectory.metrics,
     }

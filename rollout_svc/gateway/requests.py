@@ -3,8 +3,8 @@ validated, and the messages as the dicts chat templates render.
 
 Unknown fields are refused, as OpenAI refuses them. OpenAI fields the gateway cannot honour are
 accepted only at the value that changes nothing (`frequency_penalty: 0`), so a request never
-runs other than it asked. `stop` strings must each be one token of the model's vocabulary: the
-engine stops on token ids, and a turn that stopped mid-token could not be continued exactly.
+runs other than it asked. `stop` takes up to 4 non-empty strings of any length: the engine ends
+the turn after the token that completes one, keeps that token, and the content stops before it.
 """
 
 import json
@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from turnrl.errors import InvalidArgumentError
 
 MAX_STOP_SEQUENCES = 4
+MAX_CHOICES = 128  # OpenAI's bound on `n`
 
 
 class RequestFieldError(InvalidArgumentError):
@@ -107,8 +108,8 @@ class ChatCompletionRequest(_Model):
                 f"tool_choice {self.tool_choice!r} is not supported; use 'auto' or 'none'",
                 "tool_choice",
             )
-        if self.n not in (None, 1):
-            raise RequestFieldError(f"n {self.n!r} is not supported; a request samples 1", "n")
+        if not 1 <= self.choices <= MAX_CHOICES:
+            raise RequestFieldError(f"n {self.n!r} must be 1 to {MAX_CHOICES}", "n")
         if self.top_logprobs:
             raise RequestFieldError(
                 f"top_logprobs {self.top_logprobs!r} is not supported; only 0 (the sampled "
@@ -121,6 +122,13 @@ class ChatCompletionRequest(_Model):
         stops = self.stop_strings
         if len(stops) > MAX_STOP_SEQUENCES:
             raise RequestFieldError(f"stop has {len(stops)} entries; at most 4", "stop")
+        if "" in stops:
+            raise RequestFieldError(f"stop {stops!r} holds an empty string", "stop")
+
+    @property
+    def choices(self) -> int:
+        """How many choices the request samples: its `n`, 1 when not given."""
+        return 1 if self.n is None else self.n
 
     @property
     def stop_strings(self) -> list[str]:

@@ -26,17 +26,24 @@ class ModelTurn:
     output_ids: list[int]
     logprobs: list[float]
     prompt_tokens: int
+    # Trailing output ids left out of the content: the stop token the turn ended on, or the ids
+    # that spell its stop string; 0 for a turn cut by length.
+    stop_token_count: int
 
 
 @dataclass
 class SessionState:
-    """What a session has recorded; replaced whole when a turn is committed."""
+    """What a session has recorded; replaced whole when a turn is committed. `tokens` and the
+    positions `part_messages` and `part_tokens` are its current part's (history.py); the
+    segments and messages are all parts'."""
 
     tokens: ConversationTokens | None = None  # None until the first turn
     tools: list[dict[str, Any]] | None = None
-    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
     segments: list[Segment] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)
+    part_messages: int = 0  # where the current part's messages start in `messages`
+    part_tokens: int = 0  # where its tokens start in the segments' ids
     turns: list[TurnMetrics] = field(default_factory=list)
     last_finish: EngineFinish | None = None
 
@@ -58,6 +65,9 @@ class Session:
 
     session_id: str
     state: SessionState = field(default_factory=SessionState)
+    # The last turn's other choices (a request with n > 1), each a state that a later request
+    # may continue instead of `state` (`sessions.continued_choice`).
+    other_choices: list[SessionState] = field(default_factory=list)
     # The state before the last turn and the messages of the request that made it, for a retry.
     before_last: SessionState | None = None
     last_request: list[dict[str, Any]] | None = None
@@ -65,7 +75,7 @@ class Session:
     episode: EpisodeSettings | None = None  # None: a session an agent opened itself
     # Set while no request runs, for `ChatSessions.close` to wait on.
     idle: asyncio.Event = field(default_factory=asyncio.Event)
-    engine_request_id: str | None = None  # the engine request of the running turn, to abort
+    engine_request_ids: list[str] = field(default_factory=list)  # the running turn's, to abort
     closing: bool = False  # `ChatSessions.close` was called: no new turn starts
     # The limit a refused request ran into: the model's doing, so the episode is still scored.
     limit_reached: FinishReason | None = None
@@ -116,16 +126,20 @@ def session_trajectory(session: Session) -> Trajectory:
         finish_reason=finish_reason,
         turns=state.turns,
     )
-    trajectory.metrics = session_metrics(state.turns, sum(trajectory.loss_mask))
+    trajectory.metrics = session_metrics(
+        state.turns, sum(trajectory.loss_mask), len(trajectory.parts)
+    )
     return trajectory
 
 
-def session_metrics(turns: list[TurnMetrics], model_tokens: int) -> dict[str, float]:
-    """A session's summary metrics, under the agent loop's names. The agent runs its tools, so
-    how they went is not seen here: tool_errors is 0."""
+def session_metrics(turns: list[TurnMetrics], model_tokens: int, parts: int) -> dict[str, float]:
+    """A session's summary metrics, under the agent loop's names, and its `parts` (one more
+    for each history the agent rewrote: history.py). The agent runs its tools, so how they
+    went is not seen here: tool_errors is 0."""
     return {
         "turns": float(len(turns)),
         "model_tokens": float(model_tokens),
         "tool_calls": float(sum(turn.tool_calls for turn in turns)),
         "tool_errors": 0.0,
+        "parts": float(parts),
     }

@@ -2,8 +2,9 @@
 by turn on the rollout service's engine. A plain async class; `app.py` is its HTTP skin.
 
 A request is checked against what its session recorded by the prefix rule (`history.py`): the
-whole history sent back as it was generated, then new tool or user messages, appended with the
-delta rule. A request that repeats the previous request's messages exactly is a retry (the
+current part's whole history sent back as it was generated, then new tool or user messages,
+appended with the delta rule; a request that rewrote that history starts a new part (or is
+refused, with `gateway.history_rewrites: refuse`). A request that repeats the previous request's messages exactly is a retry (the
 agent never received the answer) and replaces that answer: the session rolls back to before it
 and samples again.
 
@@ -17,14 +18,16 @@ a session that ended is refused the same way.
 import asyncio
 import copy
 import dataclasses
+import functools
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from rollout_svc.agent_loop import RolloutLimits, turn_seed
-from rollout_svc.engines.base import Engine, SamplingParams
+from rollout_svc.engines.base import Engine, GenerateOutput, SamplingParams
 from rollout_svc.engines.base import FinishReason as EngineFinish
+from rollout_svc.engines.stop_strings import find_stop, stop_string_token_count
 from rollout_svc.gateway import history
 from rollout_svc.gateway.requests import ChatCompletionRequest, RequestFieldError
 from rollout_svc.gateway.session_state import (
@@ -73,6 +76,7 @@ class ChatSessions:
         limits: RolloutLimits,
         model_name: str,
         max_sessions: int,
+        new_part_on_rewrite: bool,
     ) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -81,6 +85,7 @@ class ChatSessions:
         self._parser = parser
         self._limits = limits
         self._max_sessions = max_sessions
+        self._new_part_on_rewrite = new_part_on_rewrite  # else a rewritten history is refused
         self._sessions: dict[str, Session] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()
 
@@ -90,6 +95,11 @@ class ChatSessions:
             raise NotFoundError(
                 f"model {model!r} is not served here; the model is {self.model_name!r}"
             )
+
+    @property
+    def parser(self) -> Callable[[str], ParsedTurn]:
+        """The parser that reads a turn's tool calls from its text."""
+        return self._parser
 
     def claim(self, session_id: str, model: str) -> "Session":
         """The session, held for one request until `release` (created by its first request).
@@ -138,8 +148,8 @@ class ChatSessions:
         when no request of it succeeded (the session is dropped)."""
         session = self._sessions[session_id]
         session.closing = True
-        if session.engine_request_id is not None:
-            await self._engine.abort(session.engine_request_id)
+        for request_id in session.engine_request_ids:
+            await self._engine.abort(request_id)
         await session.idle.wait()
         if session.state.tokens is None:
             del self._sessions[session_id]
@@ -153,21 +163,25 @@ class ChatSessions:
         history, FailedPreconditionError when the session's last turn cannot be continued (cut
         by max_tokens). Changes nothing in the session."""
         messages = request.message_dicts()
-        stop_ids = self._stop_token_ids(request)
+        stop = tuple(request.stop_strings)
         base = session.state
         if session.last_request is not None and messages == session.last_request:
             base = session.before_last  # a retry: the answer it never received is replaced
+        else:
+            base = continued_choice([session.state, *session.other_choices], messages)
         assert base is not None
         if base.tokens is None:
-            state = await self._first_turn(request, messages, stop_ids)
+            tools = request.tool_schemas()
+            state = await self._new_part(SessionState(tools=tools), messages, stop)
         else:
-            state = await self._next_turn(base, request, messages, stop_ids)
+            state = await self._next_turn(base, request, messages, stop)
         input_ids = [t for segment in state.segments for t in segment.token_ids]
+        input_ids = input_ids[state.part_tokens :]  # the current part's context
         max_new_tokens = self._turn_budget(
             session,
             request.max_completion_tokens or request.max_tokens,
             len(input_ids),
-            len(state.segments[0].token_ids),
+            sum(len(s.token_ids) for s in state.segments if s.source is not SegmentSource.PROMPT),
             len(state.turns),
         )
         if session.episode is not None:  # the trainer's sampling, not the agent's
@@ -175,7 +189,8 @@ class ChatSessions:
             sampling = dataclasses.replace(
                 episode_sampling,
                 max_new_tokens=max_new_tokens,
-                stop_token_ids=stop_ids,
+                stop_token_ids=(),
+                stop_strings=stop,
                 seed=turn_seed(episode_sampling.seed, session.session_id, len(state.turns)),
             )
         else:
@@ -183,55 +198,100 @@ class ChatSessions:
                 max_new_tokens=max_new_tokens,
                 temperature=1.0 if request.temperature is None else request.temperature,
                 top_p=1.0 if request.top_p is None else request.top_p,
-                stop_token_ids=stop_ids,
+                stop_strings=stop,
                 seed=request.seed,
             )
         return PendingTurn(session, request, messages, base, state, input_ids, sampling)
 
-    async def generate(self, pending: "PendingTurn") -> ModelTurn:
-        """Samples the turn on the engine and records it in the session. Raises
-        UnavailableError, recording nothing, when the engine could not answer (its weights
-        mid-push, the request aborted)."""
+    async def generate(
+        self,
+        pending: "PendingTurn",
+        on_tokens: Callable[[int, list[int]], None] | None = None,
+    ) -> list[ModelTurn]:
+        """Samples the request's `n` choices of the turn on the engine, at once, and records
+        them in the session: the first as its state, the others as choices a later request
+        may continue instead (`continued_choice`); `on_tokens(choice, ids)` gets each choice's
+        ids as the engine samples them (`Engine.generate`). Raises UnavailableError,
+        recording nothing, when the engine could not answer (its weights mid-push, the request
+        aborted)."""
         session, state = pending.session, pending.state
-        turn = len(state.turns)
         started = time.monotonic()
         if session.closing:
             raise UnavailableError(f"session {session.session_id!r} is ending")
-        session.engine_request_id = f"gateway/{session.session_id}/{turn}/{time.monotonic_ns()}"
-        try:
-            output = await self._engine.generate(
+        turn = f"gateway/{session.session_id}/{len(state.turns)}/{time.monotonic_ns()}"
+        session.engine_request_ids = [f"{turn}/{i}" for i in range(pending.request.choices)]
+        samples = [
+            self._engine.generate(
                 pending.input_ids,
-                pending.sampling,
-                request_id=session.engine_request_id,
+                dataclasses.replace(pending.sampling, seed=_choice_seed(pending.sampling, i)),
+                request_id=request_id,
                 session_id=engine_session(session.session_id),
+                on_tokens=None if on_tokens is None else functools.partial(on_tokens, i),
             )
-        except FailedPreconditionError as e:  # the engine's weights are mid-push
-            raise UnavailableError(str(e)) from e
+            for i, request_id in enumerate(session.engine_request_ids)
+        ]
+        try:
+            outputs = await asyncio.gather(*samples, return_exceptions=True)
         finally:
-            session.engine_request_id = None
-        if output.finish_reason is EngineFinish.ABORT or not output.output_ids:
-            raise UnavailableError(
-                f"the engine ended the turn with {output.finish_reason.value!r} after "
-                f"{len(output.output_ids)} tokens; nothing was recorded, send the request again"
-            )
-        assert state.tokens is not None
-        message, finish = self._assistant_message(pending, output.output_ids, output.finish_reason)
-        state.tokens.append_model_turn(output.output_ids, message)
-        state.segments += model_segments(output.output_ids, output.logprobs, output.policy_versions)
-        state.messages.append(message)
-        state.turns.append(
-            TurnMetrics(
-                generated_tokens=len(output.output_ids),
-                tool_calls=len(message.get("tool_calls", ())),
-                generate_seconds=time.monotonic() - started,
-            )
-        )
-        state.last_finish = output.finish_reason
+            session.engine_request_ids = []
+        for output in outputs:
+            if isinstance(output, FailedPreconditionError):  # the weights are mid-push
+                raise UnavailableError(str(output)) from output
+            if isinstance(output, BaseException):
+                raise output
+            if output.finish_reason is EngineFinish.ABORT or not output.output_ids:
+                raise UnavailableError(
+                    f"the engine ended the turn with {output.finish_reason.value!r} after "
+                    f"{len(output.output_ids)} tokens; nothing was recorded, send the request "
+                    "again"
+                )
+        seconds = time.monotonic() - started
+        choices = [self._choice(pending, output, seconds) for output in outputs]
+        session.state, session.other_choices = choices[0][0], [c[0] for c in choices[1:]]
         session.before_last, session.last_request = pending.base, pending.messages
-        session.state = state
-        return ModelTurn(
-            message, finish, output.output_ids, output.logprobs, len(pending.input_ids)
+        return [turn for _, turn in choices]
+
+    def _choice(
+        self, pending: "PendingTurn", output: GenerateOutput, seconds: float
+    ) -> tuple[SessionState, ModelTurn]:
+        """The session's state after one choice of the turn, and the turn."""
+        message, finish = self._assistant_message(pending, output.output_ids, output.finish_reason)
+        # The ids that spell the stop string the turn ended on, if it did (kept as sampled).
+        spelled = 0
+        if output.finish_reason is EngineFinish.STOP:
+            decode = self.tokenizer.decode
+            spelled = stop_string_token_count(
+                decode, output.output_ids, pending.sampling.stop_strings
+            )
+        tokens = copy.copy(pending.state.tokens)  # each choice appends to a copy of its own
+        assert tokens is not None
+        tokens.append_model_turn(output.output_ids, message, spelled > 0)
+        turn_metrics = TurnMetrics(
+            generated_tokens=len(output.output_ids),
+            tool_calls=len(message.get("tool_calls", ())),
+            generate_seconds=seconds,
         )
+        state = dataclasses.replace(
+            pending.state,
+            tokens=tokens,
+            segments=[
+                *pending.state.segments,
+                *model_segments(output.output_ids, output.logprobs, output.policy_versions),
+            ],
+            messages=[*pending.state.messages, message],
+            turns=[*pending.state.turns, turn_metrics],
+            last_finish=output.finish_reason,
+        )
+        stop_token_count = 0 if finish == "length" else spelled or 1  # else its stop token
+        turn = ModelTurn(
+            message,
+            finish,
+            output.output_ids,
+            output.logprobs,
+            len(pending.input_ids),
+            stop_token_count,
+        )
+        return state, turn
 
     async def end(self, session_id: str) -> Trajectory:
         """Ends a session and returns its trajectory. NotFoundError for an unknown session;
@@ -266,26 +326,22 @@ class ChatSessions:
         if session_id in self._ended:
             raise FailedPreconditionError(f"session {session_id!r} has ended")
 
-    async def _first_turn(
-        self,
-        request: ChatCompletionRequest,
-        messages: list[dict[str, Any]],
-        stop_ids: tuple[int, ...],
+    async def _new_part(
+        self, base: SessionState, messages: list[dict[str, Any]], stop: tuple[str, ...]
     ) -> SessionState:
-        tools = request.tool_schemas()
-        tokens = ConversationTokens(
-            self.tokenizer,
-            self._chat_template,
-            tools,
-            stop_token_ids=[self.tokenizer.eos_token_id, *stop_ids],
-        )
+        """`base` with a new part: `messages` rendered as its prompt (a first request's, with
+        the session's tools)."""
+        tokens = ConversationTokens(self.tokenizer, self._chat_template, base.tools)
         prompt_ids = await asyncio.to_thread(tokens.prompt_ids, messages)
-        return SessionState(
+        return dataclasses.replace(
+            base,
             tokens=tokens,
-            tools=tools,
-            stop_token_ids=stop_ids,
-            segments=[Segment(SegmentSource.PROMPT, prompt_ids)],
-            messages=[dict(m) for m in messages],
+            stop_strings=stop,
+            segments=[*base.segments, Segment(SegmentSource.PROMPT, prompt_ids)],
+            messages=[*base.messages, *(dict(m) for m in messages)],
+            part_messages=len(base.messages),
+            part_tokens=sum(len(segment.token_ids) for segment in base.segments),
+            turns=list(base.turns),
         )
 
     async def _next_turn(
@@ -293,17 +349,22 @@ class ChatSessions:
         base: SessionState,
         request: ChatCompletionRequest,
         messages: list[dict[str, Any]],
-        stop_ids: tuple[int, ...],
+        stop: tuple[str, ...],
     ) -> SessionState:
         if request.tool_schemas() != base.tools:
             raise RequestFieldError(
                 "tools differ from the session's first request; a session keeps its tools", "tools"
             )
-        if stop_ids != base.stop_token_ids:
+        if stop != base.stop_strings:
             raise RequestFieldError(
                 "stop differs from the session's first request; a session keeps its stop", "stop"
             )
-        new_messages = history.new_messages(base.messages, messages)
+        try:
+            new_messages = history.new_messages(base.messages[base.part_messages :], messages)
+        except history.HistoryRewrittenError:
+            if not self._new_part_on_rewrite:
+                raise
+            return await self._new_part(base, messages, stop)
         tokens = copy.copy(base.tokens)  # the session's own changes only on commit
         assert tokens is not None
         new_ids = await asyncio.to_thread(tokens.append_messages, new_messages)
@@ -321,14 +382,15 @@ class ChatSessions:
         )
 
     def _turn_budget(
-        self, session: Session, asked: int | None, length: int, prompt_length: int, turns: int
+        self, session: Session, asked: int | None, length: int, response_length: int, turns: int
     ) -> int:
         """A turn's max_new_tokens: `asked` (None: max_new_tokens) within the session's limits
-        (its episode's, else the rollout's), for a session of `length` tokens, `prompt_length`
-        of them its prompt, after `turns` model turns. Raises RequestFieldError when no token
-        fits or an episode has had its max_turns, and records which limit it was."""
+        (its episode's, else the rollout's), for a context (the current part) of `length`
+        tokens, after `response_length` tokens past the prompts (all parts') and `turns` model
+        turns. Raises RequestFieldError when no token fits or an episode has had its
+        max_turns, and records which limit it was."""
         limits = self._limits if session.episode is None else session.episode.limits
-        budget = limits.turn_budget(length, length - prompt_length)
+        budget = limits.turn_budget(length, response_length)
         if session.episode is not None and turns >= limits.max_turns:
             session.limit_reached = FinishReason.MAX_TURNS
             raise RequestFieldError(
@@ -342,35 +404,28 @@ class ChatSessions:
                 else FinishReason.MAX_RESPONSE_LENGTH
             )
             raise RequestFieldError(
-                f"the session holds {length} tokens ({prompt_length} of prompt), no room for a "
-                f"turn under max_model_len {limits.max_model_len} and max_response_length "
+                f"the session's context holds {length} tokens and its responses "
+                f"{response_length}: no room for a turn under max_model_len "
+                f"{limits.max_model_len} and max_response_length "
                 f"{limits.max_response_length}; end the session",
                 "messages",
             )
         return min(asked, budget) if asked else budget
-
-    def _stop_token_ids(self, request: ChatCompletionRequest) -> tuple[int, ...]:
-        ids = []
-        for text in request.stop_strings:
-            token_ids = self.tokenizer.encode(text, add_special_tokens=False)
-            if len(token_ids) != 1:
-                raise RequestFieldError(
-                    f"stop {text!r} is {len(token_ids)} tokens; each stop must be one token of "
-                    "the model's vocabulary",
-                    "stop",
-                )
-            ids.append(token_ids[0])
-        return tuple(ids)
 
     def _assistant_message(
         self, pending: "PendingTurn", output_ids: list[int], finish: EngineFinish
     ) -> tuple[dict[str, Any], str]:
         """The assistant message that stands for the model's ids, and OpenAI's finish reason.
         A turn with a malformed call is returned as its text, so the agent sees what the
-        model wrote."""
+        model wrote; a turn that ended on a stop string, as its text before it."""
         tokens = pending.state.tokens
         assert tokens is not None
         text = tokens.model_turn_text(output_ids)
+        if (
+            finish is EngineFinish.STOP
+            and (cut := find_stop(text, pending.sampling.stop_strings)) >= 0
+        ):
+            text = text[:cut]
         if finish is EngineFinish.LENGTH:
             return {"role": "assistant", "content": text}, "length"
         parsed = self._parser(text) if pending.request.calls_tools else None
@@ -382,3 +437,26 @@ class ChatSessions:
             for index, call in enumerate(parsed.tool_calls)
         ]
         return {"role": "assistant", "content": parsed.content, "tool_calls": calls}, "tool_calls"
+
+
+def continued_choice(choices: list[SessionState], messages: list[dict[str, Any]]) -> SessionState:
+    """The first of a session's last-turn choices (its state first) whose current part
+    `messages` continue by the prefix rule; the state when none does (a rewrite: a new part
+    after it)."""
+    for choice in choices:
+        if choice.tokens is None:
+            return choice
+        try:
+            history.new_messages(choice.messages[choice.part_messages :], messages)
+        except RequestFieldError:
+            continue
+        return choice
+    return choices[0]
+
+
+def _choice_seed(sampling: SamplingParams, choice: int) -> int | None:
+    """Choice 0 keeps the turn's seed; each other choice gets one of its own, so that the
+    choices of a seeded request differ."""
+    if choice == 0 or sampling.seed is None:
+        return sampling.seed
+    return turn_seed(sampling.seed, f"choice/{choice}", 0)

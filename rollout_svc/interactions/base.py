@@ -12,11 +12,12 @@ from turnrl.config import StrictModel
 
 @dataclass(frozen=True)
 class InteractionReply:
-    """What the simulated user says, whether the conversation ends, and a turn score."""
+    """What the simulated user says, whether the conversation ends, and its score of the model
+    turn it answers (the trajectory's turn reward from this interaction), None for no score."""
 
     terminate: bool
     text: str
-    score: float = 0.0
+    score: float | None = None
 
 
 class NoOptions(StrictModel):

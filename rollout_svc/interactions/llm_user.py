@@ -9,11 +9,11 @@ persona prompt (`system_prompt`, which may use the prompt's interaction_kwargs a
 from typing import Any, ClassVar
 
 import httpx
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from rollout_svc.interactions.base import Interaction, InteractionReply
 from turnrl.config import StrictModel, read_secret_env
-from turnrl.http_json import HttpJsonError, post_json
+from turnrl.http_json import ChatCompletion, HttpJsonError, post_json
 
 
 class LlmUserOptions(StrictModel):
@@ -35,18 +35,6 @@ class LlmUserOptions(StrictModel):
     max_tokens: int = Field(default=256, gt=0, description="Longest reply, in tokens.")
     request_timeout_seconds: float = Field(default=60.0, gt=0, description="Per reply, seconds.")
     max_retries: int = Field(default=2, ge=0, description="Retries on 429/5xx/connection errors.")
-
-
-class _Message(BaseModel):
-    content: str | None = None
-
-
-class _Choice(BaseModel):
-    message: _Message
-
-
-class _ChatCompletion(BaseModel):
-    choices: list[_Choice]
 
 
 class LlmUser(Interaction):
@@ -84,7 +72,7 @@ class LlmUser(Interaction):
                 self._client,
                 self._url,
                 body,
-                _ChatCompletion,
+                ChatCompletion,
                 timeout_seconds=options.request_timeout_seconds,
                 max_retries=options.max_retries,
             )

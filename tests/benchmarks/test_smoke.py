@@ -13,6 +13,7 @@ BENCHMARKS = REPO_ROOT / "benchmarks"
 # Each script, and headline keys its last line must hold.
 HEADLINE_KEYS = {
     "async_vs_sync": {"speedup_eta4", "efficiency_vs_bound", "push_stall_vs_raw"},
+    "dumps": {"writer_cpu_fraction_max", "handoff_ms_max"},
     "gateway": {
         "batch1_ratio",
         "batch1_gateway_ms",
@@ -20,11 +21,18 @@ HEADLINE_KEYS = {
         "concurrent_throughput_ratio",
         "sessions",
     },
+    "lora": {"demo_push_bytes_ratio", "larger_push_bytes_ratio", "larger_peak_memory_ratio"},
     "reward_throughput": {"gsm8k_items_per_s", "math_items_per_s"},
     "rollout_async_vs_batch": {"speedup", "efficiency_vs_bound", "no_tool_wait_seconds"},
     "router_scale": {"even_scaling", "uneven_best_over_wall", "overhead_ms"},
     "soak": {"calculator_calls_per_s", "python_p99_ms", "reward_items_per_s"},
     "tool_rpc": {"calculator_p50_ms", "python_p50_ms"},
+    "turn_credit": {
+        "accuracy_end_outcome",
+        "accuracy_end_turn",
+        "steps_to_target_turn",
+        "multi_call_rate_end_turn",
+    },
     "train_throughput": {"tokens_per_s_2rank_fp32", "s_per_step_2rank_fp32"},
     "vs_trl": {"ratio_single_call", "turnrl_single_s_per_step", "trl_single_s_per_step"},
     "weight_push": {"fraction_of_raw", "push_s", "raw_s"},

@@ -6,11 +6,12 @@ import asyncio
 import os
 import signal
 import sys
+import time
 
 import httpx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout_svc.engines.base import FinishReason, SamplingParams
 from rollout_svc.engines.server_process import start_server
@@ -30,11 +31,13 @@ pytestmark = pytest.mark.engines
 # runs for as many tokens as it is given; LONG of them take seconds.
 ENDLESS_PROMPT = [5, 17, 42, 99, 3]
 LONG = 2000
-# Decode steps a second request runs beside a LONG one (`start_generating`): enough for the
-# long one, sent a moment before it over another connection, to be admitted meanwhile.
-CLOCK_TOKENS = 64
+# How long to wait for a LONG request to be reported running (the server's gauge, set each
+# step, can lag its scheduler by seconds), then how long it decodes before the pause: a small
+# part of the 3-5 s its LONG tokens take here, so it has sampled tokens and most are to come.
+SCHEDULED_SECONDS = 0.25
+DECODING_SECONDS = 0.3
 # Tries at catching a LONG request while it runs (`paused_mid_request`).
-ATTEMPTS = 3
+ATTEMPTS = 6
 # How long a paused request is watched to stay still.
 STILL_SECONDS = 1.0
 EOS_TOKEN_ID = 615  # the tiny model's
@@ -49,18 +52,21 @@ def hf_model(vllm_server):
     return AutoModelForCausalLM.from_pretrained(vllm_server.model_path, dtype=torch.float32).eval()
 
 
-async def generated_tokens_total(url: str) -> float:
-    """The server's count of tokens generated so far (its Prometheus metrics)."""
+async def server_metric(url: str, name: str) -> float:
+    """The sum of one of the server's Prometheus metrics over its labels."""
     async with httpx.AsyncClient(trust_env=False) as client:
         text = (await client.get(f"{url}/metrics", timeout=10)).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:generation_tokens_total")
-    )
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
-async def test_greedy_generation_is_deterministic_and_matches_transformers(vllm_engine, hf_model):
+async def generated_tokens_total(url: str) -> float:
+    """The server's count of tokens generated so far."""
+    return await server_metric(url, "vllm:generation_tokens_total")
+
+
+async def test_greedy_generation_is_deterministic_and_matches_transformers(
+    vllm_engine, vllm_server, hf_model
+):
     prompt = [1, 2, 3, 4]  # greedy: 40 tokens, then EOS
     first = await vllm_engine.generate(prompt, greedy(64), "greedy-1")
     second = await vllm_engine.generate(prompt, greedy(64), "greedy-2")
@@ -85,18 +91,43 @@ async def test_greedy_generation_is_deterministic_and_matches_transformers(vllm_
     )
     assert stopped.finish_reason is FinishReason.STOP
     assert stopped.output_ids == first.output_ids[: first.output_ids.index(stop_id) + 1]
+    # A stop string of three tokens ends the turn after the one that completes it, and every
+    # sampled id is kept, the stop string's too.
+    tokenizer = AutoTokenizer.from_pretrained(vllm_server.model_path)
+    stop = tokenizer.decode(first.output_ids[10:13])
+    stop_at = next(
+        i
+        for i in range(len(first.output_ids))
+        if stop in tokenizer.decode(first.output_ids[: i + 1])
+    )
+    at_stop = await vllm_engine.generate(
+        prompt,
+        SamplingParams(max_new_tokens=64, temperature=0.0, stop_strings=("never spelled", stop)),
+        "stop-string",
+    )
+    assert len(tokenizer.encode(stop, add_special_tokens=False)) > 1
+    assert at_stop.finish_reason is FinishReason.STOP
+    assert at_stop.output_ids == first.output_ids[: stop_at + 1]
+    assert at_stop.logprobs == first.logprobs[: stop_at + 1]
 
 
 async def start_generating(
-    engine: VllmEngine, request_id: str, max_new_tokens: int = LONG
+    engine: VllmEngine, url: str, request_id: str, running_before: int = 0
 ) -> asyncio.Task:
-    """Starts a greedy request of ENDLESS_PROMPT; returns its task once the server decodes it:
-    a CLOCK_TOKENS request sent just after it has finished, and the server admits requests as
-    they come and decodes the running ones together, so the long one has sampled tokens and
-    has most of its own to go. (The server's /metrics count a request's tokens only later, so
-    they cannot tell.)"""
-    task = asyncio.create_task(engine.generate(ENDLESS_PROMPT, greedy(max_new_tokens), request_id))
-    await engine.generate(ENDLESS_PROMPT, greedy(CLOCK_TOKENS), f"{request_id}-clock")
+    """Starts a greedy request of ENDLESS_PROMPT; returns its task once the server has
+    decoded it for a while: the server reports it running (a gauge; `running_before` are other
+    requests already running) or SCHEDULED_SECONDS pass, then DECODING_SECONDS more. Neither
+    wait is certain on a busy machine (the request may reach the server late, or the gauge lag),
+    so the callers check that the request is still running when paused and try again if not.
+    (A second, short request awaited as a clock was tried: on a loaded CI machine it was
+    answered only after the long one, in six tries out of six.)"""
+    task = asyncio.create_task(engine.generate(ENDLESS_PROMPT, greedy(LONG), request_id))
+    deadline = time.monotonic() + SCHEDULED_SECONDS
+    while await server_metric(url, "vllm:num_requests_running") <= running_before:
+        if time.monotonic() > deadline or task.done():
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(DECODING_SECONDS)
     return task
 
 
@@ -119,7 +150,7 @@ async def paused_mid_request(engine: VllmEngine, url: str, name: str) -> tuple[a
     first is tried again with another."""
     for attempt in range(ATTEMPTS):
         request_id = f"{name}-{attempt}"
-        running = await start_generating(engine, request_id)
+        running = await start_generating(engine, url, request_id)
         if await paused_while_running(engine, running):
             return running, request_id
     pytest.fail(f"{ATTEMPTS} requests of {LONG} tokens ended before the pause landed")
@@ -155,7 +186,9 @@ async def test_abort_reaches_only_this_clients_request_of_that_id(vllm_server, v
         for attempt in range(ATTEMPTS):
             request_id = f"same-id-{attempt}"
             theirs = asyncio.create_task(other.generate(ENDLESS_PROMPT, greedy(LONG), request_id))
-            mine = await start_generating(vllm_engine, request_id)
+            mine = await start_generating(
+                vllm_engine, vllm_server.url, request_id, running_before=1
+            )
             # Both paused (a pause is the server's) before the abort, so neither ends first.
             if await paused_while_running(vllm_engine, mine):
                 break

@@ -40,11 +40,13 @@ BROKEN = "weights incomplete after a broken push to version 1"
 
 
 @contextlib.asynccontextmanager
-async def vllm_replica(vllm_server) -> AsyncIterator:
-    """A rollout service on the vLLM engine, connected to the session's server."""
+async def vllm_replica(vllm_server, **engine_options) -> AsyncIterator:
+    """A rollout service on the vLLM engine, connected to `vllm_server`, with
+    `engine_options` besides its url."""
     async with rollout_server(
         vllm_server.model_path, DEAD_ADDRESS, DEAD_ADDRESS, engine="vllm",
-        engine_options={"url": vllm_server.url}, max_model_len=vllm_server.max_model_len,
+        engine_options={"url": vllm_server.url, **engine_options},
+        max_model_len=vllm_server.max_model_len,
         max_response_length=vllm_server.max_model_len // 2,
     ) as stub:  # fmt: skip
         yield stub

@@ -72,7 +72,7 @@ def on_stand_in(
             "rollout": {"prompts_per_step": 2, "max_turns": 3},
             "optim": {"dtype": "float32", "activation_checkpointing": False},
             "weight_sync": {"backend": "gloo"},
-            "wandb_mode": "disabled",
+            "loggers": [],
         },
     }
 

@@ -20,6 +20,7 @@ from turnrl.v1 import rollout_pb2, rollout_pb2_grpc
 
 STEPS = 4
 PROMPTS_PER_STEP = 4
+SAMPLES_PER_PROMPT = 4
 
 
 def _service_pid(launcher_pid: int, name: str) -> int:
@@ -32,7 +33,9 @@ def _service_pid(launcher_pid: int, name: str) -> int:
 
 
 async def _kill_mid_step(launcher_pid: int, run_dir: Path, name: str) -> None:
-    """Kills service `name` (kill -9) once step 2's trajectories run on the rollout service."""
+    """Kills service `name` (kill -9) once step 2's trajectories run on the rollout service,
+    while at least half of them still run: a kill as the last ones end could let the service
+    come back before any call reached it (under load, the next step's calls start late)."""
     while not (run_dir / "metrics.jsonl").exists() or _steps_logged(run_dir) < 1:  # noqa: ASYNC110
         await asyncio.sleep(0.05)
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -40,7 +43,8 @@ async def _kill_mid_step(launcher_pid: int, run_dir: Path, name: str) -> None:
     async with rpc.open_channel(ClientConfig(address=address)) as channel:
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
         request = rollout_pb2.GetStatsRequest()
-        while not (await stub.GetStats(request, timeout=10)).running_trajectories:  # noqa: ASYNC110
+        half = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT // 2
+        while (await stub.GetStats(request, timeout=10)).running_trajectories < half:  # noqa: ASYNC110
             await asyncio.sleep(0.01)
     os.kill(_service_pid(launcher_pid, name), signal.SIGKILL)
 
@@ -69,7 +73,7 @@ async def test_a_service_killed_mid_step_is_restarted_and_the_run_loses_nothing(
         f"trainer.steps={STEPS}", "trainer.eval_every=0", "trainer.checkpoint_every=0",
         *(RESTARTED_TRAINER if victim == "trainer" else []),
         f"trainer.rollout.prompts_per_step={PROMPTS_PER_STEP}",
-        "trainer.rollout.samples_per_prompt=4", "trainer.wandb_mode=disabled",
+        f"trainer.rollout.samples_per_prompt={SAMPLES_PER_PROMPT}", "trainer.loggers=[]",
         "trainer.data.generated_train_size=64", "trainer.data.generated_eval_size=4",
     )  # fmt: skip
     output = asyncio.gather(process.stdout.read(), process.stderr.read())

@@ -28,7 +28,7 @@ from trainer_svc.ranks import Ranks
 from trainer_svc.run_loop import ProgressEvent, RunLoop
 from trainer_svc.server import TrainerServicer
 from trainer_svc.service import TrainerService
-from turnrl.config import ClientConfig, ServerConfig
+from turnrl.config import ClientConfig, HttpJsonServerConfig
 from turnrl.v1 import (
     reward_pb2,
     reward_pb2_grpc,
@@ -87,7 +87,7 @@ class Served:
     data_sources: list[str]
 
 
-SERVER = ServerConfig(port=0, max_message_bytes=MAX_MESSAGE_BYTES)
+SERVER = HttpJsonServerConfig(port=0, max_message_bytes=MAX_MESSAGE_BYTES)
 
 
 @contextlib.asynccontextmanager

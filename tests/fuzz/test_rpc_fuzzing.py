@@ -10,7 +10,7 @@ from tests.conftest import serve_in_process
 from tool_svc.config import ToolConfig, ToolEntry, ToolLimits
 from tool_svc.server import ToolServicer
 from tool_svc.service import ToolService
-from turnrl.config import ServerConfig
+from turnrl.config import HttpJsonServerConfig
 from turnrl.v1 import rollout_pb2, tool_pb2, tool_pb2_grpc
 
 from .rpc_fuzzing import check_status, open_raw_channel, server_failed, serving_in_thread
@@ -30,7 +30,7 @@ async def hanging_calc_reward() -> AsyncIterator[tuple[str, str]]:
         class_name="tests.tool_svc.probe_tools:HangingRewardTool",
         limits=ToolLimits(call_timeout_seconds=1),
     )
-    config = ToolConfig(server=ServerConfig(port=0), tools=[tool])
+    config = ToolConfig(server=HttpJsonServerConfig(port=0), tools=[tool])
     service = await ToolService.create(config)
     try:
         session_id, _ = await service.create_session("hanging_reward", {}, None)

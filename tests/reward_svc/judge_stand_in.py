@@ -137,11 +137,28 @@ class ChatCompletionsStandIn:
             self.held.popleft().set()
 
 
+class NoVerdictCount:
+    """An LlmJudge's `on_no_verdict`: counts the items it found no verdict for."""
+
+    def __init__(self) -> None:
+        self.items = 0
+
+    def __call__(self) -> None:
+        self.items += 1
+
+
 @contextlib.asynccontextmanager
-async def judging(stand_in: ChatCompletionsStandIn, **options: Any) -> AsyncIterator[LlmJudge]:
-    """An LlmJudge calling `stand_in`, served on loopback for the duration."""
+async def judging(
+    stand_in: ChatCompletionsStandIn,
+    no_verdict: NoVerdictCount | None = None,
+    **options: Any,
+) -> AsyncIterator[LlmJudge]:
+    """An LlmJudge calling `stand_in`, served on loopback for the duration, counting
+    verdict-less items in `no_verdict` (a fresh count when None)."""
     async with serve_app(stand_in.app) as url:
-        judge = LlmJudge(judge_options(base_url=f"{url}/v1", **options))
+        judge = LlmJudge(
+            judge_options(base_url=f"{url}/v1", **options), no_verdict or NoVerdictCount()
+        )
         try:
             yield judge
         finally:

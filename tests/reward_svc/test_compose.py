@@ -45,6 +45,16 @@ def test_negative_weights_subtract():
     assert combined.score == pytest.approx(0.8)
 
 
+def test_turn_rewards_are_weighted_like_the_scores():
+    combined = weighted_sum(
+        [
+            ("a", 2.0, Score(1.0, turn_rewards={0: 0.5, 1: 1.0})),
+            ("b", -0.5, Score(0.0, turn_rewards={1: 2.0, 3: 4.0})),
+        ]
+    )
+    assert combined.turn_rewards == {0: 1.0, 1: 1.0, 3: -2.0}
+
+
 def test_no_parts_or_a_repeated_name_is_rejected():
     with pytest.raises(ValueError, match="got none"):
         weighted_sum([])

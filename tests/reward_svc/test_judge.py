@@ -25,6 +25,7 @@ from .judge_stand_in import (
     RUBRIC,
     WEAK_RESPONSE,
     ChatCompletionsStandIn,
+    NoVerdictCount,
     gsm8k_request,
     judge_options,
     judging,
@@ -121,8 +122,12 @@ async def test_majority_over_samples(parse: str, answers: list[str], expected: f
 async def test_unparseable_answers_give_default_score_with_error():
     rambling = "The response adds the two months. " * 60
     stand_in = ChatCompletionsStandIn([rambling, "Looks right to me."])
-    async with judging(stand_in, samples=2, temperature=1.0, default_score=-1.0) as judge:
+    no_verdict = NoVerdictCount()
+    async with judging(
+        stand_in, no_verdict, samples=2, temperature=1.0, default_score=-1.0
+    ) as judge:
         score = await judge.score(gsm8k_request())
+    assert no_verdict.items == 1
     assert score.score == -1.0
     assert score.extras["error"] == "none of the judge's 2 answers held a verdict"
     assert score.extras["samples"] == 2
@@ -163,7 +168,9 @@ async def test_unreachable_server_is_unavailable_naming_the_url():
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     # Nothing listens on `port` now: every connection is refused.
-    judge = LlmJudge(judge_options(base_url=f"http://127.0.0.1:{port}/v1", max_retries=1))
+    judge = LlmJudge(
+        judge_options(base_url=f"http://127.0.0.1:{port}/v1", max_retries=1), NoVerdictCount()
+    )
     try:
         with pytest.raises(ScorerUnavailableError) as failed:
             await judge.score(gsm8k_request())
@@ -179,7 +186,7 @@ async def test_malformed_answer_is_unavailable():
 
     app = Starlette(routes=[Route("/v1/chat/completions", not_chat_completions, methods=["POST"])])
     async with serve_app(app) as url:
-        judge = LlmJudge(judge_options(base_url=f"{url}/v1"))
+        judge = LlmJudge(judge_options(base_url=f"{url}/v1"), NoVerdictCount())
         try:
             with pytest.raises(ScorerUnavailableError) as failed:
                 await judge.score(gsm8k_request())

@@ -15,7 +15,7 @@ from reward_svc.scorers.judge import (
 )
 from turnrl.errors import ConfigError
 
-from .judge_stand_in import PAIRWISE_RUBRIC, RUBRIC, judge_options
+from .judge_stand_in import PAIRWISE_RUBRIC, RUBRIC, NoVerdictCount, judge_options
 
 
 @pytest.mark.parametrize(
@@ -110,6 +110,19 @@ def test_parse_pairwise_verdict(text: str, expected: str | None):
         ({"samples": 4}, "samples=4 at temperature 0"),
         ({"base_url": "127.0.0.1:8000/v1"}, "base_url"),
         ({"rubrik": RUBRIC}, "rubrik"),
+        # One server: an OpenAI-compatible URL or a turnrl rollout service, never both or none.
+        (
+            {"rollout": {"address": "127.0.0.1:50053"}},
+            "judge 'gsm8k-judge' sets both of base_url and rollout; set exactly one",
+        ),
+        ({"base_url": None}, "judge 'gsm8k-judge' sets neither of base_url and rollout"),
+        ({"model": None}, "base_url needs model"),
+        (
+            {"base_url": None, "rollout": {"address": "127.0.0.1:50053"}, "max_retries": 1},
+            r"\['model', 'max_retries'\] apply to base_url, not to a rollout service",
+        ),
+        ({"base_url": None, "model": None, "rollout": {"address": ""}}, "empty entry"),
+        ({"base_url": None, "model": None, "rollout": {"adress": "h:1"}}, "adress"),
     ],
 )
 def test_bad_options_are_rejected_at_construction(changes: dict[str, Any], message: str):
@@ -120,4 +133,4 @@ def test_bad_options_are_rejected_at_construction(changes: dict[str, Any], messa
 def test_unset_api_key_env_is_rejected_at_construction(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv("TEST_JUDGE_KEY", raising=False)
     with pytest.raises(ConfigError, match="'TEST_JUDGE_KEY' is unset"):
-        LlmJudge(judge_options(api_key_env="TEST_JUDGE_KEY"))
+        LlmJudge(judge_options(api_key_env="TEST_JUDGE_KEY"), NoVerdictCount())

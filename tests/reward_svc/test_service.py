@@ -17,7 +17,7 @@ from reward_svc.service import RewardService
 from tests.conftest import serve_in_process
 from tests.reward_svc.judge_stand_in import judge_options
 from turnrl import rpc
-from turnrl.config import ClientConfig, ServerConfig
+from turnrl.config import ClientConfig, HttpJsonServerConfig
 from turnrl.errors import ConfigError, DeadlineExceededError, InvalidArgumentError
 from turnrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
@@ -28,15 +28,18 @@ PROBE_PLUGINS = [
     PluginEntry(data_sources=["hangs"], path=PLUGINS, function="sleeps_forever"),
     PluginEntry(data_sources=["dies"], path=PLUGINS, function="kills_its_process"),
     PluginEntry(data_sources=["fragile"], path=PLUGINS, function="fails_on_some_responses"),
+    PluginEntry(data_sources=["per_turn"], path=PLUGINS, function="rewards_each_turn"),
+    PluginEntry(data_sources=["named_turn"], path=PLUGINS, function="rewards_a_named_turn"),
 ]
 Failure = reward_pb2.ScoringResult.Failure
 
 
 @contextlib.asynccontextmanager
-async def reward_server(**settings) -> AsyncIterator[reward_pb2_grpc.RewardServiceStub]:
-    """A real reward service on 127.0.0.1:0; yields a stub connected to it."""
-    settings.setdefault("plugins", PROBE_PLUGINS)
-    config = RewardConfig(server=ServerConfig(port=0), **settings)
+async def serving(
+    config: RewardConfig,
+) -> AsyncIterator[tuple[reward_pb2_grpc.RewardServiceStub, RewardService]]:
+    """A real reward service of `config` on loopback; yields a stub connected to it and the
+    service (for its metrics)."""
     service = await RewardService.create(config)
     try:
         async with (
@@ -49,9 +52,17 @@ async def reward_server(**settings) -> AsyncIterator[reward_pb2_grpc.RewardServi
             ) as address,
             rpc.open_channel(ClientConfig(address=address)) as channel,
         ):
-            yield reward_pb2_grpc.RewardServiceStub(channel)
+            yield reward_pb2_grpc.RewardServiceStub(channel), service
     finally:
         await service.close()
+
+
+@contextlib.asynccontextmanager
+async def reward_server(**settings) -> AsyncIterator[reward_pb2_grpc.RewardServiceStub]:
+    """A real reward service on 127.0.0.1:0; yields a stub connected to it."""
+    settings.setdefault("plugins", PROBE_PLUGINS)
+    async with serving(RewardConfig(server=HttpJsonServerConfig(port=0), **settings)) as served:
+        yield served[0]
 
 
 def scoring_input(data_source: str, response: str, ground_truth=None) -> reward_pb2.ScoringInput:
@@ -77,6 +88,32 @@ async def test_plugin_scores_and_lists():
     names = {s.name: list(s.data_sources) for s in listed.scorers}
     assert names["plugin:compute_score"] == ["echo"]
     assert "openai/gsm8k" in names["gsm8k"]
+
+
+async def test_a_scorers_turn_rewards_go_on_the_wire_under_its_name():
+    item = scoring_input("per_turn", "42", "42")
+    for text in ("first", "second"):
+        item.messages.add(
+            role=common_pb2.Message.ROLE_ASSISTANT, content=[common_pb2.ContentPart(text=text)]
+        )
+    async with reward_server() as stub:
+        reply = await stub.Score(reward_pb2.ScoreRequest(input=item), timeout=30)
+        outcome_only = await score(stub, "echo", "42", "42")
+    reward = reply.result.reward
+    assert reward.score == 1.0 and not reward.error
+    assert [(r.turn, r.value, r.source, r.name) for r in reward.turn_rewards] == [
+        (0, pytest.approx(0.1), common_pb2.TURN_REWARD_SOURCE_SCORER, "plugin:rewards_each_turn"),
+        (1, pytest.approx(0.2), common_pb2.TURN_REWARD_SOURCE_SCORER, "plugin:rewards_each_turn"),
+    ]
+    assert not outcome_only.reward.turn_rewards
+
+
+async def test_turn_rewards_that_name_no_turn_index_are_a_broken_scorer():
+    async with reward_server() as stub:
+        result = await score(stub, "named_turn", "42", "42")
+    assert result.reward.error and result.failure == Failure.FAILURE_SCORER_BROKEN
+    assert "turn_rewards key 'first' is not a turn index" in result.reward.error_message
+    assert not result.reward.turn_rewards
 
 
 @pytest.mark.parametrize(
@@ -207,7 +244,7 @@ async def test_plugin_that_cannot_load_stops_start_up(tmp_path):
     bad = tmp_path / "broken.py"
     bad.write_text("raise ImportError('missing dependency foo')\n")
     config = RewardConfig(
-        server=ServerConfig(port=0), plugins=[PluginEntry(data_sources=["x"], path=bad)]
+        server=HttpJsonServerConfig(port=0), plugins=[PluginEntry(data_sources=["x"], path=bad)]
     )
     with pytest.raises(ConfigError, match=r"reward.plugins\[0\].*missing dependency foo"):
         await RewardService.create(config)

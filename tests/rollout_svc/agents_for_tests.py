@@ -154,6 +154,34 @@ def asks_until_refused(prompt: dict, base_url: str, api_key: str) -> str:
         messages += [reply.choices[0].message, {"role": "user", "content": "Go on."}]
 
 
+def summarises(prompt: dict, base_url: str, api_key: str) -> dict:
+    """Asks, then replaces its history by a summary of it and asks again (a new part of the
+    session), then goes on from there; rewards itself 0.5."""
+    client, model = _chat(base_url, api_key)
+    messages = list(prompt["messages"])
+    first = client.chat.completions.create(model=model, messages=messages, max_tokens=8)
+    summary = f"Earlier you said: {first.choices[0].message.content[:24]!r}. Answer again."
+    messages = [*messages[:-1], {"role": "user", "content": summary}]
+    second = client.chat.completions.create(model=model, messages=messages)
+    messages += [second.choices[0].message, {"role": "user", "content": "Go on."}]
+    client.chat.completions.create(model=model, messages=messages, max_tokens=8)
+    return {"reward": 0.5}
+
+
+def asks_across_a_push(prompt: dict, base_url: str, api_key: str) -> dict:
+    """Asks, reports to the test's beacon and waits for its go (the test pushes weights
+    meanwhile), then asks again; rewards itself 1."""
+    client, model = _chat(base_url, api_key)
+    messages = list(prompt["messages"])
+    first = client.chat.completions.create(model=model, messages=messages)
+    with _beacon(prompt["extra_info"]) as (reader, send):
+        send({"pid": os.getpid()})
+        assert reader.readline().strip() == "go"
+    messages += [first.choices[0].message, {"role": "user", "content": "Go on."}]
+    client.chat.completions.create(model=model, messages=messages, max_tokens=8)
+    return {"reward": 1.0}
+
+
 def asks_then_hangs(prompt: dict, base_url: str, api_key: str) -> str:
     """One request, then reports its pid to the test's beacon (the prompt's extra_info) and
     hangs."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from rollout_svc.engines.base import GenerateOutput, SamplingParams
 from rollout_svc.engines.hf import HfEngine
@@ -47,11 +47,13 @@ def one_torch_thread() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random tiny Qwen3 with no EOS id, so greedy runs go to max_new_tokens."""
+def model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """A random tiny Qwen3 with no EOS id, so greedy runs go to max_new_tokens, and the tiny
+    calculator model's tokenizer (its vocabulary holds the model's), for stop strings."""
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-qwen3")
     Qwen3ForCausalLM(tiny_config()).save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(path)
     return path
 
 

@@ -4,7 +4,8 @@ SGLang needs a GPU, so `SglangStandIn` implements the request and response shape
 0.5.23's native HTTP API (`sglang/srt/entrypoints/http_server.py`, `managers/io_struct.py`)
 on loopback: a counter model decodes one token per step (or, given a local model folder, a
 real model samples: turnrl's hf engine behind SGLang's API), answers [logprob, token_id, text]
-triples and finish reasons, honours max_new_tokens, stop_token_ids and its context length,
+triples and finish reasons, honours max_new_tokens, stop_token_ids, stop strings and its
+context length,
 refuses what 0.5.23 refuses with HTTP 400 (`sglang_stand_in_checks`), aborts every request
 whose rid starts with the one given, pauses and continues, joins real weight-sync groups with
 each of its tensor-parallel ranks and receives the tensors broadcast on them (or written to
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import uvicorn
+from safetensors.torch import load_file
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -36,6 +38,8 @@ from rollout_svc.engines.hf_options import HfEngineOptions
 from tests.rollout_svc.sglang_stand_in_checks import (
     RESERVED_TOKENS,
     generate_refusal,
+    lora_load_refusal,
+    lora_reply,
     server_arguments,
 )
 from tests.rollout_svc.sglang_stand_in_weights import (
@@ -60,6 +64,11 @@ MAX_MODEL_LEN = 64
 def next_token(previous: int) -> int:
     """The stand-in model: each token follows from the one before (never EOS)."""
     return (previous * 7 + 3) % EOS_TOKEN_ID
+
+
+def token_text(output_ids: list[int]) -> str:
+    """The counter model's text: each token spelled "<id>"."""
+    return "".join(f"<{token}>" for token in output_ids)
 
 
 def token_logprob(token: int) -> float:
@@ -117,6 +126,9 @@ class SglangStandIn:
         self.unhealthy_checks_left = 0
         self.sequences: list[list[int]] = []  # what the radix cache holds
         self._changed = asyncio.Condition()
+        # The LoRA adapters loaded (--enable-lora), by name: their tensors, read from the
+        # folder /load_lora_adapter named when it loaded them.
+        self.adapters: dict[str, dict[str, torch.Tensor]] = {}
 
     def app(self) -> Starlette:
         routes = {
@@ -128,6 +140,8 @@ class SglangStandIn:
             "/health_generate": self._health,
             "/get_model_info": self._model_info,
             "/get_server_info": self._server_info,
+            "/load_lora_adapter": self._load_lora_adapter,
+            "/unload_lora_adapter": self._unload_lora_adapter,
             **self.weight_routes.routes(),
         }
         return Starlette(
@@ -196,6 +210,9 @@ class SglangStandIn:
         running = set(self.running) | self.model_rids
         if refusal := generate_refusal(body, self.context_length, running):
             return refusal
+        if body.get("lora_path") is not None and body["lora_path"] not in self.adapters:
+            message = f"LoRA adapter {body['lora_path']!r} is not loaded"
+            return JSONResponse({"error": {"message": message}}, status_code=400)
         if self.model is not None:
             return await self._generate_with_model(body)
         input_ids, params = body["input_ids"], body["sampling_params"]
@@ -224,7 +241,7 @@ class SglangStandIn:
             meta_info["weight_versions"] = version_spans(
                 request.version_changes, self.weight_version, len(request.output_ids)
             )
-        text = "".join(f"<{token}>" for token in request.output_ids)
+        text = token_text(request.output_ids)  # no_stop_trim: a stop string is not cut
         return JSONResponse(
             {"text": text, "output_ids": request.output_ids, "meta_info": meta_info}
         )
@@ -241,6 +258,7 @@ class SglangStandIn:
             min_p=params.get("min_p", 0.0),
             repetition_penalty=params.get("repetition_penalty", 1.0),
             stop_token_ids=tuple(params.get("stop_token_ids") or ()),
+            stop_strings=tuple(params.get("stop") or ()),
             seed=params.get("sampling_seed"),
         )
         self.model_rids.add(body["rid"])
@@ -252,6 +270,7 @@ class SglangStandIn:
             self.model_rids.discard(body["rid"])
         finish_reason = {"type": out.finish_reason.value}
         if out.finish_reason is FinishReason.STOP:
+            # SGLang names the stop string instead when one ended it; the adapter reads the type.
             finish_reason["matched"] = out.output_ids[-1]
         meta_info = {
             "id": body["rid"],
@@ -277,6 +296,7 @@ class SglangStandIn:
 
     async def _decode(self, request: RunningRequest, input_ids: list[int], params: dict) -> dict:
         stop_ids = {EOS_TOKEN_ID, *(params.get("stop_token_ids") or [])}
+        stop_strings = params.get("stop") or []
         max_new_tokens = self._max_new_tokens({"sampling_params": params, "input_ids": input_ids})
         previous = input_ids[-1]
         while True:
@@ -291,6 +311,11 @@ class SglangStandIn:
                 self._changed.notify_all()
             if previous in stop_ids:
                 return {"type": "stop", "matched": previous}
+            # As SGLang checks the decoded output after each token, ids kept
+            # (`managers/schedule_batch.py` Req._check_str_based_finish).
+            text = token_text(request.output_ids)
+            if matched := next((stop for stop in stop_strings if stop in text), None):
+                return {"type": "stop", "matched": matched}
             await asyncio.sleep(0)  # one decode step per loop turn, as a batch would interleave
 
     def _may_decode(self, request: RunningRequest) -> bool:
@@ -336,6 +361,25 @@ class SglangStandIn:
             self.pause_mode = None
             self._changed.notify_all()
         return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def _load_lora_adapter(self, body: dict) -> Response:
+        """0.5.23's `/load_lora_adapter` (`LoadLoRAAdapterReqInput`): loads the peft folder
+        `lora_path` as `lora_name`; HTTP 400 with success false when LoRA is off, the name is
+        taken, or the folder holds no adapter within --max-lora-rank."""
+        error = lora_load_refusal(body, self.argv, self.adapters)
+        if error is None:
+            self.adapters[body["lora_name"]] = load_file(
+                Path(body["lora_path"]) / "adapter_model.safetensors"
+            )
+        return lora_reply(error, self.adapters)
+
+    async def _unload_lora_adapter(self, body: dict) -> Response:
+        """0.5.23's `/unload_lora_adapter` (`UnloadLoRAAdapterReqInput`)."""
+        error = None
+        if self.adapters.pop(body["lora_name"], None) is None:
+            error = f"LoRA adapter {body['lora_name']!r} is not loaded"
+        await self._notify()
+        return lora_reply(error, self.adapters)
 
     def _cache_in_use(self) -> bool:
         # Retracted requests free their KV cache; running or in-place paused ones hold it.

@@ -4,6 +4,7 @@ launch flag its server arguments do not define, and the /generate requests it an
 of range, a duplicate rid). Paths below are the 0.5.23 wheel's, under `sglang/`."""
 
 import argparse
+import json
 from pathlib import Path
 
 from starlette.responses import JSONResponse
@@ -108,3 +109,37 @@ def _tokenizer_refusal(
     if body.get("rid") in running:
         return f"Duplicate request ID detected: {body['rid']}"
     return None
+
+
+def lora_load_refusal(body: dict, argv: list[str], loaded: dict) -> str | None:
+    """Why 0.5.23 refuses to load the adapter `body` names (`srt/lora/lora_manager.py`
+    load_lora_adapter, `lora_config.py`): LoRA off, a name taken, no peft LoRA folder, a rank
+    over --max-lora-rank or a target module outside --lora-target-modules; None when it
+    loads."""
+    if "--enable-lora" not in argv:
+        return "LoRA is not enabled; start the server with --enable-lora"
+    if body["lora_name"] in loaded:
+        return f"LoRA adapter {body['lora_name']!r} is already loaded"
+    folder = Path(body["lora_path"])
+    if not (folder / "adapter_model.safetensors").is_file():
+        return f"no adapter_model.safetensors in {folder}"
+    config = json.loads((folder / "adapter_config.json").read_text())
+    if config.get("peft_type") != "LORA":
+        return f"{folder} holds no LoRA adapter: peft_type {config.get('peft_type')!r}"
+    max_rank = int(_flag_values(argv, "--max-lora-rank")[0])
+    targets = set(_flag_values(argv, "--lora-target-modules"))
+    if config["r"] > max_rank or not set(config["target_modules"]) <= targets:
+        return f"adapter of rank {config['r']} on {config['target_modules']} is incompatible"
+    return None
+
+
+def lora_reply(error: str | None, loaded: dict) -> JSONResponse:
+    """0.5.23's answer to a LoRA load or unload (`LoadLoRAAdapterReqOutput`)."""
+    body = {"success": error is None, "error_message": error, "loaded_adapters": list(loaded)}
+    return JSONResponse(body, status_code=200 if error is None else 400)
+
+
+def _flag_values(argv: list[str], flag: str) -> list[str]:
+    """The values after `flag` in `argv`, up to the next flag."""
+    values = argv[argv.index(flag) + 1 :]
+    return values[: next((i for i, v in enumerate(values) if v.startswith("--")), len(values))]

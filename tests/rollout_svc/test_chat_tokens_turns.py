@@ -87,6 +87,24 @@ def test_a_turn_cut_by_max_new_tokens_ends_the_conversation():
         tokens.append_messages([{"role": "user", "content": "Go on."}])
 
 
+@pytest.mark.parametrize("case_id", ["qwen2.5-instruct", "glm-4-moe", "llama-3.1-instruct"])
+def test_a_turn_that_ended_on_a_stop_string_is_closed_by_the_template(case_id: str):
+    """The model's ids end with a ReAct stop string and no stop token; its message holds the
+    text before the stop string. The delta brings the template's end of the turn: a fresh
+    render of the conversation ends with that text, then the delta."""
+    renderer = Renderer(CASES_BY_ID[case_id], "qwen3")
+    tokens = renderer.conversation_tokens()
+    prompt = [{"role": "user", "content": "What is 2 + 3?"}]
+    tokens.prompt_ids(prompt)
+    content = "Thought: add them.\nAction: calculator 2 + 3"
+    output_ids = renderer.encode(content + "\nObservation:")
+    tokens.append_model_turn(output_ids, assistant(content), ended_on_stop_string=True)
+    observation = {"role": "user", "content": "Observation: 5"}
+    delta = tokens.append_messages([observation])
+    fresh = renderer.text([*prompt, assistant(content), observation], add_generation_prompt=True)
+    assert fresh.endswith(content + renderer.tokenizer.decode(delta))
+
+
 def test_a_turns_text_is_the_decoded_turn_without_its_stop_token():
     renderer = Renderer(CASES_BY_ID["qwen3"], "qwen3")
     tokens = renderer.conversation_tokens()

@@ -17,12 +17,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout_svc.config import GatewayConfig, RolloutConfig
-from rollout_svc.gateway.app import listening_socket, serve_gateway
+from rollout_svc.gateway.app import serve_gateway
 from rollout_svc.server import RolloutServicer
 from rollout_svc.service import RolloutService
 from tests.conftest import STARTUP_TIMEOUT_SECONDS, kill_tree, serve_in_process, spawn_turnrl
 from tests.rollout_svc.test_rollout_service import teacher_forced_logprobs
 from tool_svc.tools.calculator import CalculatorOptions, CalculatorTool, format_value
+from turnrl.asgi_server import listening_socket
 from turnrl.calculator_data import TOOLS, generate_problems
 from turnrl.chat_tokens import ConversationTokens
 from turnrl.config import ClientConfig, ServerConfig
@@ -194,10 +195,108 @@ async def test_a_calculator_session_is_token_exact(tiny_model_dir):
     assert trajectory["finish_reason"] == "stop"
 
 
+async def test_a_rewritten_history_starts_a_new_part(tiny_model_dir):
+    """An agent that truncates its history mid-session: the session goes on in a new part whose
+    prompt is the truncated messages rendered afresh, the first part kept as it ran; each
+    part's logprobs are the model's over that part alone (the context it sampled in), and the
+    part goes on by the prefix rule like any session."""
+    messages = prompt_messages()
+    request = {"tools": TOOLS, "temperature": 0, "max_tokens": 24}
+    async with gateway_server(tiny_model_dir) as gateway:
+        service, url = gateway.service, gateway.url
+        chat = gateway.client("truncated")
+        model = service.chat_sessions.model_name
+        first = await chat.chat.completions.create(model=model, messages=messages, **request)
+        # The agent drops the system prompt and its first answer, and asks anew.
+        truncated = [{"role": "user", "content": messages[-1]["content"] + " Be brief."}]
+        second = await chat.chat.completions.create(model=model, messages=truncated, **request)
+        answer = second.choices[0].message
+        follow = [*truncated, answer, {"role": "user", "content": "Sure?"}]
+        await chat.chat.completions.create(model=model, messages=follow, **request)
+        fresh = await gateway.client("fresh").chat.completions.create(
+            model=model, messages=truncated, **request
+        )
+        trajectory = await end_session(url, "truncated")
+    assert first.choices[0].finish_reason == "tool_calls"
+    assert second.choices[0].finish_reason == "stop"  # so the part can go on
+    assert second.choices[0].message == fresh.choices[0].message  # as a session of its own
+    sources = [s["source"] for s in trajectory["segments"]]
+    assert sources == ["prompt", "model", "prompt", "model", "user", "template", "model"]
+    assert trajectory["metrics"]["parts"] == 2
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    segments = trajectory["segments"]
+    assert segments[2]["token_ids"] == ConversationTokens(tokenizer, None, TOOLS).prompt_ids(
+        truncated
+    )
+    assert segments[0]["token_ids"] == ConversationTokens(tokenizer, None, TOOLS).prompt_ids(
+        messages
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    for start, end in trajectory["parts"]:
+        ids, in_loss = trajectory["token_ids"][start:end], trajectory["loss_mask"][start:end]
+        forced = teacher_forced_logprobs(model, ids)
+        positions = [i - 1 for i, mask in enumerate(in_loss) if mask]
+        engine = torch.tensor(trajectory["logprobs"][start:end])[torch.tensor(in_loss)]
+        assert torch.allclose(engine, forced[positions], atol=1e-5)
+    assert [m["role"] for m in trajectory["messages"]] == [
+        *(m["role"] for m in messages),
+        "assistant",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+    ]
+
+
+async def test_n_choices_and_the_one_the_agent_goes_on_with(tiny_model_dir):
+    """A request with n = 3 samples three choices at once; the session goes on with the one
+    whose message the agent sends back (here the last), and its trajectory holds that one."""
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    request = {"temperature": 1.0, "seed": 7, "max_tokens": 64}
+    async with gateway_server(tiny_model_dir) as gateway:
+        service, url = gateway.service, gateway.url
+        chat = gateway.client("choices")
+        model = service.chat_sessions.model_name
+        reply = await chat.chat.completions.create(
+            model=model, messages=messages, n=3, logprobs=True, **request
+        )
+        texts = [choice.message.content for choice in reply.choices]
+        chosen = reply.choices[2]
+        follow = [*messages, chosen.message, {"role": "user", "content": "Sure?"}]
+        await chat.chat.completions.create(model=model, messages=follow, **request)
+        trajectory = await end_session(url, "choices")
+        # Streamed, the same seeded choices, each under its index.
+        streamed: dict[int, str] = {}
+        stream = await gateway.client("streamed-choices").chat.completions.create(
+            model=model, messages=messages, n=3, stream=True, **request
+        )
+        async for chunk in stream:
+            for choice in chunk.choices:
+                streamed[choice.index] = streamed.get(choice.index, "") + (
+                    choice.delta.content or ""
+                )
+        with pytest.raises(openai.BadRequestError, match="n 0 must be 1 to 128"):
+            await gateway.client("none").chat.completions.create(
+                model=model, messages=messages, n=0
+            )
+    assert [choice.index for choice in reply.choices] == [0, 1, 2]
+    assert len(set(texts)) > 1  # each choice its own seed
+    assert [streamed[i] for i in range(3)] == texts
+    lengths = [len(choice.logprobs.content) for choice in reply.choices]
+    assert reply.usage.completion_tokens == sum(lengths) + sum(
+        choice.finish_reason == "stop" for choice in reply.choices
+    )  # the stop tokens are not in logprobs.content
+    assert trajectory["messages"][1]["content"] == texts[2]
+    assert trajectory["metrics"]["turns"] == 2 and trajectory["metrics"]["parts"] == 1
+    model_segments = [s for s in trajectory["segments"] if s["source"] == "model"]
+    engine_logprobs = [entry.logprob for entry in chosen.logprobs.content]
+    assert model_segments[0]["logprobs"][: len(engine_logprobs)] == pytest.approx(engine_logprobs)
+
+
 async def collect_stream(chat: openai.AsyncOpenAI, **request) -> dict:
-    """What a stream gave: content, tool calls (id, name, arguments), finish reason, usage,
-    logprobs."""
-    got = {"content": "", "calls": {}, "finish": None, "usage": None, "logprobs": []}
+    """What a stream gave: content (and its deltas), tool calls (id, name, arguments), finish
+    reason, usage, logprobs."""
+    got = {"content": "", "deltas": [], "calls": {}, "finish": None, "usage": None, "logprobs": []}
     stream = await chat.chat.completions.create(
         **request, stream=True, stream_options={"include_usage": True}
     )
@@ -208,6 +307,7 @@ async def collect_stream(chat: openai.AsyncOpenAI, **request) -> dict:
         got["usage"] = chunk.usage or got["usage"]
         for choice in chunk.choices:
             got["content"] += choice.delta.content or ""
+            got["deltas"] += [choice.delta.content] if choice.delta.content else []
             got["finish"] = choice.finish_reason or got["finish"]
             got["logprobs"] += choice.logprobs.content if choice.logprobs else []
             for delta in choice.delta.tool_calls or []:
@@ -246,6 +346,7 @@ async def test_streaming_gives_what_a_plain_request_gives(tiny_model_dir):
     choice = plain.choices[0]
     assert streamed["finish"] == choice.finish_reason == "tool_calls"
     assert streamed["content"] == (choice.message.content or "")
+    assert not any("<tool_call>" in delta for delta in streamed["deltas"])
     assert calls == [
         (c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls
     ]
@@ -255,9 +356,28 @@ async def test_streaming_gives_what_a_plain_request_gives(tiny_model_dir):
     assert followed.choices[0].message.content or followed.choices[0].message.tool_calls
 
 
+async def test_a_streamed_turn_arrives_as_it_is_sampled(tiny_model_dir):
+    """Content comes in many deltas, which join into what a plain request of the same seeded
+    turn answers."""
+    async with gateway_server(tiny_model_dir) as gateway:
+        request = {
+            "model": gateway.service.chat_sessions.model_name,
+            "messages": [{"role": "user", "content": "What is 2 + 3?"}],
+            "temperature": 1.0,
+            "seed": 3,
+            "max_tokens": 40,
+        }
+        plain = await gateway.client("plain").chat.completions.create(**request)
+        streamed = await collect_stream(gateway.client("streamed"), **request)
+    assert plain.usage.completion_tokens > 8
+    assert len(streamed["deltas"]) > 1
+    assert "".join(streamed["deltas"]) == plain.choices[0].message.content
+
+
 async def test_bad_requests_get_openai_errors(tiny_model_dir):
     messages = prompt_messages()
-    async with gateway_server(tiny_model_dir, max_request_bytes=8192) as gateway:
+    settings = {"max_request_bytes": 8192, "history_rewrites": "refuse"}
+    async with gateway_server(tiny_model_dir, **settings) as gateway:
         service, url = gateway.service, gateway.url
         model = service.chat_sessions.model_name
         chat = gateway.client("bad")
@@ -320,13 +440,10 @@ async def test_tool_choice_stop_and_length_as_openai_defines_them(tiny_model_dir
         assert untouched.choices[0].finish_reason == "stop"
         assert untouched.choices[0].message.tool_calls is None
         assert "<tool_call>" in untouched.choices[0].message.content
-        # A stop token ends the turn before the model's own end, and is left out of the text.
+        # A stop ends the turn before the model's own end, and is left out of the text.
         stopped = await gateway.client("stop").chat.completions.create(**request, stop=["\n"])
         assert stopped.choices[0].finish_reason == "stop"
         assert stopped.choices[0].message.content == "<tool_call>"
-        with pytest.raises(openai.BadRequestError, match="each stop must be one token") as stop:
-            await gateway.client("stop-text").chat.completions.create(**request, stop="#### 12")
-        assert stop.value.param == "stop"
         # A turn cut by max_tokens ends "length", and its session cannot go on after it.
         chat = gateway.client("cut")
         cut = await chat.chat.completions.create(**request, max_tokens=3)
@@ -344,6 +461,56 @@ async def test_tool_choice_stop_and_length_as_openai_defines_them(tiny_model_dir
         trajectory = await end_session(url, "cut")
         assert trajectory["finish_reason"] == "max_new_tokens"
         await gateway.client("fourth").chat.completions.create(**request)
+
+
+async def test_a_stop_string_of_several_tokens_ends_the_turn_and_the_session_goes_on(
+    tiny_model_dir,
+):
+    """A ReAct-style stop string (three tokens, the last spelling past it) ends the turn; the
+    content stops before it, the trajectory keeps every sampled id, and the template's end of
+    the assistant turn, which the model never sampled, opens the next (masked) segment."""
+    stop = '"arguments"'  # the model writes ' "', 'arguments', '":'
+    messages = prompt_messages()
+    async with gateway_server(tiny_model_dir) as gateway:
+        service, url = gateway.service, gateway.url
+        tokenizer = service.chat_sessions.tokenizer
+        request = {
+            "model": service.chat_sessions.model_name,
+            "tools": TOOLS,
+            "tool_choice": "none",
+            "temperature": 0,
+        }
+        chat = gateway.client("react")
+        whole = await gateway.client("whole").chat.completions.create(**request, messages=messages)
+        reply = await chat.chat.completions.create(
+            **request, messages=messages, stop=[stop], logprobs=True
+        )
+        whole_ids = (await end_session(url, "whole"))["segments"][1]["token_ids"]
+        content = whole.choices[0].message.content
+        assert reply.choices[0].finish_reason == "stop"
+        assert reply.choices[0].message.content == content[: content.index(stop)]
+        spelled = "".join(t.token for t in reply.choices[0].logprobs.content)
+        assert reply.choices[0].message.content.startswith(spelled) and stop not in spelled
+        follow = [
+            *messages,
+            reply.choices[0].message,
+            {"role": "user", "content": "Observation: 42"},
+        ]
+        with pytest.raises(openai.BadRequestError, match="keeps its stop") as other_stop:
+            await chat.chat.completions.create(**request, messages=follow, stop=["Thought:"])
+        assert other_stop.value.param == "stop"
+        await chat.chat.completions.create(**request, messages=follow, stop=[stop])
+        trajectory = await end_session(url, "react")
+    segments = trajectory["segments"]
+    assert [s["source"] for s in segments] == ["prompt", "model", "user", "template", "model"]
+    stop_at = next(i for i in range(len(whole_ids)) if stop in tokenizer.decode(whole_ids[: i + 1]))
+    assert len(tokenizer.encode(stop, add_special_tokens=False)) > 1
+    assert segments[1]["token_ids"] == whole_ids[: stop_at + 1]  # as sampled, no EOS added
+    appended = tokenizer.decode(segments[2]["token_ids"] + segments[3]["token_ids"])
+    assert appended == (
+        "<|im_end|>\n<|im_start|>user\nObservation: 42<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert trajectory["messages"][len(messages)]["content"] == reply.choices[0].message.content
 
 
 async def test_a_session_takes_one_request_at_a_time(tiny_model_dir):
@@ -405,6 +572,35 @@ async def test_a_stream_the_client_leaves_frees_the_session(tiny_model_dir):
     assert reply.choices[0].message.content == trajectory["messages"][-1]["content"]
 
 
+async def test_a_stream_left_mid_turn_aborts_it(tiny_model_dir):
+    """A client that goes away after the first content delta, while the turn is still in the
+    engine, has its engine request aborted; the session takes the next request."""
+    messages = prompt_messages()
+    async with gateway_server(tiny_model_dir) as gateway:
+        service, url = gateway.service, gateway.url
+        request = {"model": service.chat_sessions.model_name, "messages": messages}
+        stream = await gateway.client("left").chat.completions.create(
+            **request, temperature=0, stream=True
+        )
+        events = aiter(stream)
+        await anext(events)  # the role
+        assert (await anext(events)).choices[0].delta.content
+        await service.pause()
+        assert service.stats()["metrics"]["running"] == 1  # the turn goes on after its content
+        await stream.close()
+        await service.resume()
+        async with asyncio.timeout(30):
+            reply = (
+                await gateway.client("left")
+                .with_options(max_retries=5)
+                .chat.completions.create(**request, temperature=0)
+            )
+        assert service.stats()["metrics"]["running"] == 0
+        trajectory = await end_session(url, "left")
+    assert [s["source"] for s in trajectory["segments"]] == ["prompt", "model"]
+    assert reply.choices[0].message.content == trajectory["messages"][-1]["content"]
+
+
 async def test_turnrl_serve_starts_the_gateway_beside_grpc(tiny_model_dir):
     process = await spawn_turnrl(
         "serve",
@@ -437,7 +633,7 @@ async def test_gateway_connections_send_without_waiting_for_acks():
     """asyncio sets TCP_NODELAY on the gateway's connections (it does only on a socket that
     names IPPROTO_TCP): with Nagle's algorithm on, each reply's second write waited ~40 ms for
     the client's delayed ACK."""
-    sock = listening_socket(GatewayConfig(enabled=True, port=0))
+    sock = listening_socket("127.0.0.1", 0)
     loop = asyncio.get_running_loop()
     accepted: asyncio.Future[asyncio.BaseTransport] = loop.create_future()
 

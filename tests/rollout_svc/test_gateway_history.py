@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from rollout_svc.gateway.history import new_messages
+from rollout_svc.gateway.history import HistoryRewrittenError, new_messages
 from rollout_svc.gateway.requests import RequestFieldError
 from turnrl.messages import openai_tool_call
 
@@ -27,26 +27,31 @@ def test_the_history_sent_back_as_generated_leaves_the_new_messages():
 
 
 @pytest.mark.parametrize(
-    ("sent", "message", "param"),
+    ("sent", "message", "param", "rewritten"),
     [
         (
             [*PROMPT, {**CALL, "tool_calls": [openai_tool_call("c", "calculator", '{"expression": "2*3"}')]}, RESULT],
             "messages[2] differs from the session's history",
             "messages.2",
+            True,
         ),
         (
             [PROMPT[0], {"role": "user", "content": "2+4?"}, CALL, RESULT],
             "messages[1] differs",
             "messages.1",
+            True,
         ),
-        ([*PROMPT, {"role": "assistant", "content": "(summary)"}, RESULT], "messages[2] differs", "messages.2"),
-        (PROMPT, "send the whole history back", "messages"),
-        ([*PROMPT, CALL], "no new messages", "messages"),
-        ([*PROMPT, CALL, {"role": "assistant", "content": "#### 5"}], "role 'assistant'", "messages.3.role"),
-        ([*PROMPT, CALL, {"role": "system", "content": "Be brief."}], "role 'system'", "messages.3.role"),
+        ([*PROMPT, {"role": "assistant", "content": "(summary)"}, RESULT], "messages[2] differs", "messages.2", True),
+        (PROMPT, "send the whole history back", "messages", True),
+        ([*PROMPT, CALL], "no new messages", "messages", False),
+        ([*PROMPT, CALL, {"role": "assistant", "content": "#### 5"}], "role 'assistant'", "messages.3.role", True),
+        ([*PROMPT, CALL, {"role": "system", "content": "Be brief."}], "role 'system'", "messages.3.role", True),
     ],
 )  # fmt: skip
-def test_a_history_that_is_not_the_prefix_names_the_message(sent, message, param):
+def test_a_history_that_is_not_the_prefix_names_the_message(sent, message, param, rewritten):
+    """A rewritten history (a new part, or refused) names the first message that differs;
+    the history with nothing new is no rewrite, and always refused."""
     with pytest.raises(RequestFieldError, match=re.escape(message)) as info:
         new_messages([*PROMPT, CALL], sent)
     assert info.value.param == param
+    assert isinstance(info.value, HistoryRewrittenError) == rewritten

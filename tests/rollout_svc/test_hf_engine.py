@@ -5,12 +5,13 @@ and session KV: test_hf_engine_prefill.py; weight updates: test_hf_engine_weight
 
 import asyncio
 import math
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from pydantic import ValidationError
-from transformers import Qwen3ForCausalLM
+from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from rollout_svc.config import RolloutConfig
 from rollout_svc.engines.base import FinishReason, SamplingParams
@@ -125,6 +126,38 @@ async def test_seeded_sampling_is_reproducible_with_batch_mates(engine: HfEngine
     assert (await engine.generate(prompt, other_seed, "other")).output_ids != alone.output_ids
 
 
+async def test_on_tokens_hands_each_id_over_on_the_loop_as_it_is_sampled(
+    engine: HfEngine,
+) -> None:
+    """Each request's runs join into its output ids, in order, one id a step, all before
+    generate returns; batch mates and a request aborted midway included."""
+    loop_thread = threading.get_ident()
+    runs: dict[str, list[list[int]]] = {"a": [], "b": [], "cut": []}
+
+    def on_tokens(name: str):
+        def add(ids: list[int]) -> None:
+            assert threading.get_ident() == loop_thread
+            runs[name].append(ids)
+
+        return add
+
+    def generate(name: str, prompt_seed: int, sampling: SamplingParams):
+        prompt = random_ids(6, seed=prompt_seed)
+        return engine.generate(prompt, sampling, name, on_tokens=on_tokens(name))
+
+    cut = asyncio.create_task(generate("cut", 3, greedy(LONG_TOKENS)))
+    a, b = await asyncio.gather(
+        generate("a", 1, greedy(20)),
+        generate("b", 2, SamplingParams(max_new_tokens=30, temperature=1.0, seed=5)),
+    )
+    await engine.abort("cut")
+    outputs = {"a": a, "b": b, "cut": await cut}
+    assert outputs["cut"].finish_reason == FinishReason.ABORT
+    for name, output in outputs.items():
+        assert [i for run in runs[name] for i in run] == output.output_ids
+        assert all(len(run) == 1 for run in runs[name])
+
+
 async def test_stop_token_ends_the_turn(engine: HfEngine, reference: Qwen3ForCausalLM) -> None:
     prompt = random_ids(8, seed=5)
     full = generate_reference(reference, prompt, 30)
@@ -133,6 +166,26 @@ async def test_stop_token_ends_the_turn(engine: HfEngine, reference: Qwen3ForCau
     out = await engine.generate(prompt, greedy(30, stop_token_ids=(full[stop_at],)), "stop")
     assert out.output_ids == full[: stop_at + 1]
     assert out.finish_reason == FinishReason.STOP
+
+
+async def test_stop_string_ends_the_turn_after_the_id_that_completes_it(
+    engine: HfEngine, reference: Qwen3ForCausalLM, model_dir: Path
+) -> None:
+    """A stop string spelled by three ids ends the turn right after the last of them, and the
+    output keeps every sampled id."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = random_ids(8, seed=5)
+    full = generate_reference(reference, prompt, 40)
+    stop = tokenizer.decode(full[10:13])
+    # The first id whose text, with the ids before it, spells the stop string.
+    stop_at = next(i for i in range(40) if stop in tokenizer.decode(full[: i + 1]))
+    assert len(tokenizer.encode(stop, add_special_tokens=False)) > 1 and stop_at <= 12
+    out = await engine.generate(prompt, greedy(40, stop_strings=("never spelled", stop)), "s")
+    assert out.output_ids == full[: stop_at + 1]
+    assert out.finish_reason == FinishReason.STOP
+    assert_logprobs_match(reference, prompt, out)
+    with pytest.raises(InvalidArgumentError, match="stop_strings"):
+        await engine.generate(prompt, greedy(4, stop_strings=("",)), "empty-stop")
 
 
 async def test_model_eos_ids_end_the_turn(
@@ -144,6 +197,7 @@ async def test_model_eos_ids_end_the_turn(
     reference.generation_config.eos_token_id = [VOCAB_SIZE - 1, full[stop_at]]
     try:
         reference.save_pretrained(tmp_path)
+        AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp_path)
     finally:
         reference.generation_config.eos_token_id = None
     engine = await start_engine(tmp_path)

@@ -53,6 +53,7 @@ async def test_llm_user_sees_the_conversation_from_its_side_and_ends_it():
         finally:
             await user.close()
     assert not first.terminate and first.text == "Thanks, and what is 2+2?"
+    assert first.score is None  # it scores no turn: no turn reward
     assert second.terminate and second.text == "Great."
     sent = stand_in.requests[0].body["messages"]
     assert sent == [

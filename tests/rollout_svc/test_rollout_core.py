@@ -12,7 +12,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -333,11 +333,13 @@ async def agent_loop(model_dir: Path, tool_address: str) -> AsyncIterator[AgentL
 GREEDY = SamplingParams(max_new_tokens=64, temperature=0.0)
 
 
-async def run_one(loop: AgentLoop, prompt: PromptSpec, max_turns: int, request_id: str):
+async def run_one(
+    loop: AgentLoop, prompt: PromptSpec, max_turns: int, request_id: str, tools=TOOLS
+):
     limits = RolloutLimits(max_model_len=2048, max_response_length=1024, max_new_tokens=64,
                            max_turns=max_turns)  # fmt: skip
     try:
-        return await loop.run(prompt, TOOLS, 0, GREEDY, limits, False, request_id)
+        return await loop.run(prompt, tools, 0, GREEDY, limits, False, request_id)
     finally:
         loop.forget(request_id)
 
@@ -363,17 +365,27 @@ class AbortAtTheSecondTurn:
             await self.agent_loop.abort(call)
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, request_id: str, session_id: str = ""
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str,
+        session_id: str = "",
+        *,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerateOutput:
         self.turns[session_id] += 1
         if self.turns[session_id] == 1:
-            return await self.engine.generate(input_ids, sampling, request_id, session_id)
+            return await self.engine.generate(
+                input_ids, sampling, request_id, session_id, on_tokens=on_tokens
+            )
         if self.when == "unregistered":
             await self.abort_every_call()
-            return await self.engine.generate(input_ids, sampling, request_id, session_id)
+            return await self.engine.generate(
+                input_ids, sampling, request_id, session_id, on_tokens=on_tokens
+            )
         await self.engine.pause()
         queued = asyncio.create_task(
-            self.engine.generate(input_ids, sampling, request_id, session_id)
+            self.engine.generate(input_ids, sampling, request_id, session_id, on_tokens=on_tokens)
         )
         await asyncio.sleep(0)  # the task runs until it awaits its result: the request is queued
         assert self.engine.stats()["waiting"] == 1

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 from google.protobuf import json_format
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout_svc.config import InteractionEntry, RolloutConfig
 from rollout_svc.engines.hf import HfEngine
@@ -324,6 +324,45 @@ async def test_gsm8k_interaction_answers_the_model(tiny_model_dir):
         m for t in trajectories for m in t.messages[2:] if m.role == common_pb2.Message.ROLE_USER
     ]
     assert len(users) == len(replies)
+
+
+async def test_a_stop_id_of_ordinary_text_ends_the_turn_and_the_template_closes_it(
+    tiny_model_dir,
+):
+    """A caller's stop id that is no special token ("\\n", a word) is where the model stopped,
+    not where the template ends a turn: the next turn's tokens (a tool result or the checker's
+    answer) start with the template's own close of the assistant turn, as after a stop string,
+    and the stop text stays out of the message."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    interaction = InteractionEntry(name="checker", class_name="gsm8k", config={"max_attempts": 2})
+    async with rollout_stack(tiny_model_dir, interactions=[interaction]) as stub:
+        request = rollout_pb2.GenerateRequest(
+            prompts=prompts(1, interaction_name="checker"),
+            sampling=common_pb2.SamplingParams(temperature=0.0),
+            limits=common_pb2.LengthLimits(max_new_tokens=64),
+        )
+        request.prompts[0].interaction_kwargs.update({"ground_truth": "-1"})  # never right
+        [unstopped] = await generate(stub, request)
+        first_turn = next(s for s in unstopped.segments if s.source == Source.SEGMENT_SOURCE_MODEL)
+        # Its first id of visible text past the first token ("{" of a tool call's JSON).
+        special = set(tokenizer.all_special_ids)
+        stop_id = next(
+            i
+            for i in first_turn.token_ids[1:]
+            if i not in special and tokenizer.decode([i]).strip()
+        )
+        request.sampling.stop_token_ids.append(stop_id)
+        [stopped] = await generate(stub, request)
+    assert stopped.finish_reason != Finish.FINISH_REASON_ERROR, stopped.error_message
+    sources = [s.source for s in stopped.segments]
+    model_turn = sources.index(Source.SEGMENT_SOURCE_MODEL)
+    assert stopped.segments[model_turn].token_ids[-1] == stop_id
+    next_turn = stopped.segments[model_turn + 1]  # a tool result or the checker's answer
+    assert next_turn.source in (Source.SEGMENT_SOURCE_TOOL, Source.SEGMENT_SOURCE_USER)
+    assert tokenizer.decode(next_turn.token_ids).startswith("<|im_end|>\n<|im_start|>")
+    message = stopped.messages[2]
+    assert message.role == common_pb2.Message.ROLE_ASSISTANT
+    assert tokenizer.decode([stop_id]) not in str(message)
 
 
 async def test_a_service_without_a_model_refuses_to_start():

@@ -111,6 +111,20 @@ async def test_stop_token_ends_the_turn_and_is_kept(stand_in, engine):
     assert "sampling_seed" not in sent
 
 
+async def test_stop_string_ends_the_turn_and_its_tokens_are_kept(stand_in, engine):
+    """The counter model spells token t "<t>": a stop string across two tokens ends the turn
+    after the second, which comes back with the rest."""
+    expected = continuation([7], 4)
+    stop = f"{expected[2]}><{expected[3]}"
+    sampling = SamplingParams(max_new_tokens=50, stop_strings=("never spelled", stop))
+    output = await engine.generate([7], sampling, request_id="r-stop-string")
+    assert output.finish_reason is FinishReason.STOP
+    assert output.output_ids == expected
+    assert output.logprobs == [token_logprob(token) for token in expected]
+    sent = stand_in.bodies("/generate")[0]["sampling_params"]
+    assert sent["stop"] == ["never spelled", stop] and sent["no_stop_trim"] is True
+
+
 async def test_next_turn_of_a_session_reuses_the_cached_prefix(stand_in, engine):
     first = await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=3), "turn-1", "s1")
     second_input = [1, 2, 3, *first.output_ids, 9, 8]

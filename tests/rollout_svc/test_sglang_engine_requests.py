@@ -136,3 +136,10 @@ async def test_the_stand_in_aborts_by_rid_prefix_as_sglang_does(stand_in):
         assert not requests["b"].done()
         await client.post("/abort_request", json={"abort_all": True})
         assert await requests["b"] == "abort"
+
+
+async def test_on_tokens_gets_the_whole_output_when_the_request_returns(stand_in, engine):
+    runs: list[list[int]] = []
+    sampling = SamplingParams(max_new_tokens=3)
+    output = await engine.generate([4, 5], sampling, "r-runs", on_tokens=runs.append)
+    assert runs == [output.output_ids] and output.output_ids

@@ -4,6 +4,7 @@ that fail in each way. The model reads an observation either way; only the syste
 count in "tool_infra_errors", which keeps the trajectory out of the loss."""
 
 import asyncio
+import copy
 import dataclasses
 from typing import Any
 
@@ -19,6 +20,7 @@ from tests.rollout_svc.test_rollout_core import (
 from tool_svc.config import ToolEntry
 from tool_svc.tools.base import ToolCallError, ToolErrorKind, ToolResult
 from tool_svc.tools.calculator import CalculatorTool
+from turnrl.calculator_data import TOOLS
 from turnrl.errors import FailedPreconditionError
 
 
@@ -97,3 +99,24 @@ async def test_whose_fault_a_failed_tool_call_is(tiny_model_dir, tool, tools_kwa
         loop.tool_call_timeout_seconds = 1.0
         trajectory = await run_one(loop, prompt, max_turns=1, request_id="call")
     assert_every_tool_call_failed(trajectory, infra_failed)
+
+
+async def test_a_call_to_a_tool_the_prompt_did_not_offer_is_the_models_error(tiny_model_dir):
+    """The tiny model calls the calculator it was trained on even when its prompt offers the
+    same tool under another name; the tool service serves a calculator, but the model was not
+    offered one, so the call is refused unrun."""
+    renamed = copy.deepcopy(TOOLS)
+    renamed[0]["function"]["name"] = "arithmetic"
+    [prompt] = prompt_specs(1)
+    async with (
+        tool_service_address(served(CalculatorTool)) as tools,
+        agent_loop(tiny_model_dir, tools) as loop,
+    ):
+        trajectory = await run_one(loop, prompt, max_turns=1, request_id="unoffered", tools=renamed)
+    metrics = trajectory.metrics
+    assert metrics["tool_calls"] >= 1 and metrics["tool_errors"] == metrics["tool_calls"]
+    assert metrics["tool_infra_errors"] == 0
+    replies = [m["content"] for m in trajectory.messages if m["role"] == "tool"]
+    assert replies == ["Error: no tool 'calculator' here; tools: arithmetic"] * int(
+        metrics["tool_calls"]
+    )

@@ -69,6 +69,16 @@ def test_bit_bound_is_configurable():
         small.evaluate("2**16 * 2")
 
 
+def test_operations_per_call_can_be_limited():
+    one_step = CalculatorTool("calculator", CalculatorOptions(max_operations=1))
+    assert format_value(one_step.evaluate("(12 + 7)")) == "19"
+    assert format_value(one_step.evaluate("-7 // 2")) == "-4"  # a sign is no operation
+    with pytest.raises(ToolCallError) as info:
+        one_step.evaluate("(12 + 7) * 3")
+    assert info.value.kind == ToolErrorKind.INVALID_ARGUMENTS
+    assert "'(12 + 7) * 3' has 2 operations" in info.value.message
+
+
 async def test_execute_returns_the_formatted_value(calculator):
     result = await calculator.execute({}, calculator.parse_args('{"expression": "6*7"}'))
     assert result.text == "42" and result.error_kind is None

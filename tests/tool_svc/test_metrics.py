@@ -1,20 +1,9 @@
 """The tool service's Prometheus endpoint, scraped from a real `turnrl serve tool` process."""
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
-from tests.conftest import serve_subprocess
+from tests.conftest import scrape_metrics, serve_subprocess
 from turnrl import rpc
 from turnrl.config import ClientConfig
 from turnrl.v1 import tool_pb2, tool_pb2_grpc
-
-
-def samples(text: str) -> dict[tuple[str, tuple], float]:
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
 
 
 async def test_metrics_count_calls_errors_and_sessions():
@@ -33,8 +22,7 @@ async def test_metrics_count_calls_errors_and_sessions():
                 ),
                 timeout=5,
             )
-        async with httpx.AsyncClient() as client:
-            scraped = samples((await client.get(served.metrics_url, timeout=5)).text)
+        scraped = await scrape_metrics(served.metrics_url)
     calculator = (("tool", "calculator"),)
     assert scraped[("turnrl_tool_calls_total", calculator)] == 3
     assert (

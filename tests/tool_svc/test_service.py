@@ -16,7 +16,7 @@ from tool_svc.server import ToolServicer
 from tool_svc.service import ToolService
 from tool_svc.tools.base import ToolErrorKind
 from turnrl import rpc
-from turnrl.config import ClientConfig, ServerConfig
+from turnrl.config import ClientConfig, HttpJsonServerConfig
 from turnrl.errors import ConfigError, ResourceExhaustedError, RpcError
 from turnrl.v1 import tool_pb2, tool_pb2_grpc
 
@@ -33,7 +33,7 @@ async def tool_server(
     *entries: ToolEntry, **settings
 ) -> AsyncIterator[tool_pb2_grpc.ToolServiceStub]:
     """A real tool service on 127.0.0.1:0 serving `entries`; yields a stub connected to it."""
-    config = ToolConfig(server=ServerConfig(port=0), tools=list(entries), **settings)
+    config = ToolConfig(server=HttpJsonServerConfig(port=0), tools=list(entries), **settings)
     service = await ToolService.create(config)
     try:
         async with (
@@ -306,14 +306,14 @@ async def test_close_releases_open_sessions():
     [
         ([ToolEntry(class_name="nope")], "unknown tool 'nope'; built-in: ['calculator'"),
         ([ToolEntry(class_name="no_such_module:Tool")], "cannot import 'no_such_module:Tool'"),
-        ([ToolEntry(class_name="json:loads")], "is not a Tool subclass"),
+        ([ToolEntry(class_name="json:JSONDecoder")], "is neither a Tool subclass nor a function"),
         ([ToolEntry(class_name="calculator", config={"max_value_bit": 1})], "max_value_bit"),
         ([ToolEntry(class_name="calculator"), ToolEntry(class_name="calculator")], "duplicate"),
     ],
 )
 async def test_bad_tool_config_names_the_entry(tools, message):
     with pytest.raises(ConfigError) as info:
-        await ToolService.create(ToolConfig(server=ServerConfig(port=0), tools=tools))
+        await ToolService.create(ToolConfig(server=HttpJsonServerConfig(port=0), tools=tools))
     assert message in str(info.value) and "tool.tools[" in str(info.value)
 
 

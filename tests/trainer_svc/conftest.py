@@ -12,7 +12,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from turnrl_cli.up_table import UP_READY_LINE, UP_TABLE_ROW
 
-from ..conftest import EXAMPLE_CONFIG, FREE_PORTS, SERVICE_NAMES
+from ..conftest import EXAMPLE_CONFIG, FREE_PORTS, SERVICE_NAMES, free_port
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +36,20 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def services(example_on_tiny_model, tmp_path_factory) -> dict[str, str]:
+def trainer_metrics_port() -> int:
+    """Where the trainer of `services` serves its Prometheus metrics."""
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def services(example_on_tiny_model, trainer_metrics_port, tmp_path_factory) -> dict[str, str]:
     """`turnrl up` with the example config on free ports; yields each service's address."""
     log = (tmp_path_factory.mktemp("up") / "up.log").open("w")
     # Each test's run folder is under pytest's base folder, the trainer's runs root here.
     runs_root = f"trainer.runs_root={tmp_path_factory.getbasetemp()}"
-    up = ["up", "--config", str(EXAMPLE_CONFIG), *FREE_PORTS, *example_on_tiny_model, runs_root]
+    metrics = f"trainer.server.metrics_port={trainer_metrics_port}"
+    up = ["up", "--config", str(EXAMPLE_CONFIG), *FREE_PORTS, *example_on_tiny_model]
+    up += [runs_root, metrics]
     process = subprocess.Popen(
         [sys.executable, "-m", "turnrl_cli", *up],
         stdout=subprocess.PIPE,

@@ -18,8 +18,8 @@ from tests.trainer_svc.fsdp_worker import SETTINGS, fixed_batch
 from trainer_svc.config import AlgorithmConfig
 from trainer_svc.critic import FsdpCritic
 from trainer_svc.fsdp import FsdpPolicy
-from trainer_svc.ranks import Models
-from trainer_svc.rl_step import RolloutBatch, prepare_update
+from trainer_svc.ranks import Models, exit_without_finalizing
+from trainer_svc.rl_step import RolloutBatch, kl_reference, prepare_update
 
 # Rows of `fixed_batch()`: 7, not divisible by 2 ranks, and 1, fewer than the ranks.
 BATCHES = {"seven rows": list(range(7)), "one row": [3]}
@@ -36,7 +36,10 @@ def update_inputs(models: Models, rows: list[int]) -> dict:
     batch.extras["rollout_logprobs"] = -batch.loss_mask.float()
     rewards = torch.tensor([float(index % 2 == 0) for index in range(len(rows))])
     rollouts = RolloutBatch(batch, rewards, torch.arange(len(rows)) // 2, trajectories=[])
-    metrics = prepare_update(rollouts, models.policy, models.reference, models.critic, GAE_WITH_KL)
+    reference_logprobs = kl_reference(models, GAE_WITH_KL)
+    metrics = prepare_update(
+        rollouts, models.policy, reference_logprobs, models.critic, GAE_WITH_KL
+    )
     logprobs, entropy = models.policy.logprobs(batch, with_entropy=True)
     return {"metrics": metrics, **batch.extras, "logprobs": logprobs, "entropy": entropy}
 
@@ -74,3 +77,4 @@ def main(model_dir: str, reference_dir: str, critic_dir: str, out_dir: str) -> N
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    exit_without_finalizing()

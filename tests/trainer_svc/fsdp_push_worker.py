@@ -12,6 +12,7 @@ import torch
 
 from trainer_svc.config import TrainSettings
 from trainer_svc.fsdp import FsdpPolicy
+from trainer_svc.ranks import exit_without_finalizing
 
 BUCKET_SIZE_BYTES = 64 * 1024
 
@@ -27,3 +28,4 @@ def main(model_dir: str, out_file: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    exit_without_finalizing()

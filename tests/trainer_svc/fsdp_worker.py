@@ -15,11 +15,13 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from trainer_svc.batch import Batch
 from trainer_svc.config import TrainSettings
 from trainer_svc.fsdp import FsdpPolicy
+from trainer_svc.ranks import exit_without_finalizing
 
 # Small enough for several micro-batches per rank, and a different count on each rank.
 SETTINGS = TrainSettings(learning_rate=1e-3, grad_clip=0.5, micro_batch_tokens=24)
@@ -138,8 +140,10 @@ def main(model_dir: str, checkpoint_file: str, out_dir: str) -> None:
             },
             Path(out_dir) / "rank0.pt",
         )
+    dist.barrier()  # no rank leaves the group while another still works (gloo aborts)
     policy.close()
 
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    exit_without_finalizing()

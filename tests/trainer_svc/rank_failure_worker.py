@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tests.trainer_svc.fsdp_worker import SETTINGS, fixed_batch, rank_rows, token_mean_loss
 from trainer_svc.fsdp import FsdpPolicy
-from trainer_svc.ranks import Models, Ranks
+from trainer_svc.ranks import Models, Ranks, exit_without_finalizing
 
 
 def policy_models(model_dir: str) -> Models:
@@ -65,3 +65,4 @@ def main(model_dir: str, out_file: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    exit_without_finalizing()

@@ -12,7 +12,6 @@ from trainer_svc.advantages import (
     apply_kl_penalty,
     compute_advantages,
     gae_advantages,
-    groups_with_signal,
     grpo_advantages,
     reinforce_plus_plus_advantages,
     rloo_advantages,
@@ -55,12 +54,6 @@ def test_rloo_subtracts_the_mean_of_the_other_samples() -> None:
     # Group 3: rewards 1, 0, 0.5 -> 1 - (0 + 0.5) / 2, 0 - (1 + 0.5) / 2, 0.5 - (1 + 0) / 2.
     advantages = rloo_advantages(tensor([1.0, 0.0, 9.0, 0.5]), torch.tensor([3, 3, 4, 3]))
     assert_close(advantages, tensor([0.75, -0.75, 0.0, 0.0]))
-
-
-def test_groups_with_signal_marks_groups_whose_rewards_differ() -> None:
-    rewards = tensor([1.0, 1.0, 0.0, 1.0, 3.0])
-    signal = groups_with_signal(rewards, torch.tensor([0, 0, 1, 1, 2]))
-    assert signal.tolist() == [False, False, True, True, False]
 
 
 def test_sequence_rewards_land_on_the_last_model_token() -> None:
@@ -184,6 +177,7 @@ def test_every_estimator_gives_zero_off_the_mask(estimator: str) -> None:
         token_rewards=token_rewards,
         group_index=torch.tensor([0, 0]),
         loss_mask=MASK,
+        turn_index=torch.tensor([[0, 0, -1, 1, -1], [0, 0, 0, -1, -1]]),
         values=tensor([[0.3, 0.2, 5.0, 0.1, 5.0], [0.4, 0.5, 0.6, 5.0, 5.0]]),
     )
     assert advantages.shape == MASK.shape

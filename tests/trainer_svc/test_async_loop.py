@@ -15,7 +15,7 @@ from turnrl.config import ClientConfig
 from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
 
 from ..conftest import EXAMPLE_CONFIG, FREE_PORTS, kill_tree, spawn_turnrl
-from .runs import follow, run_config, run_to_end
+from .runs import check_dumps, follow, run_config, run_to_end
 
 ASYNC_EXAMPLE = EXAMPLE_CONFIG.parent / "async.yaml"
 
@@ -50,6 +50,12 @@ async def test_async_runs_keep_within_the_staleness_bound(services, tmp_path):
         assert [r["step"] for r in records[eta]] == [1, 2, 3]
         ledger = PromptLedger(tmp_path / name).settled()
         assert len(ledger["trained"]) == len(set(ledger["trained"])) == 3 * 2
+        # Every trajectory of each step (2 prompts x 4 samples): the default 8 a step.
+        dumped = check_dumps(tmp_path / name, steps=[1, 2, 3], per_step=8, eval_steps=[0, 3])
+        for step, record in zip([1, 2, 3], records[eta], strict=True):
+            rewards = [r["reward"] for r in dumped[step]]
+            assert abs(sum(rewards) / len(rewards) - record["rollout/reward_mean"]) < 1e-6
+            assert all(r["staleness"] <= eta for r in dumped[step])
     for record in records[0]:
         # η = 0: no rollout starts before the push of the step before, so nothing goes stale.
         assert record["staleness/max"] == 0
@@ -80,7 +86,7 @@ async def test_an_async_run_killed_mid_step_and_resumed_trains_every_prompt_once
         "trainer.steps=4",
         "trainer.eval_every=0",
         "trainer.checkpoint_every=1",
-        "trainer.wandb_mode=disabled",
+        "trainer.loggers=[]",
         "trainer.data.generated_train_size=8",  # one epoch: 4 steps x 2 prompts
         "trainer.data.generated_eval_size=4",
         "trainer.rollout.prompts_per_step=2",

@@ -12,7 +12,14 @@ from trainer_svc.config import AlgorithmConfig, CriticConfig
 from trainer_svc.critic import FsdpCritic
 from trainer_svc.fsdp import FsdpPolicy
 from trainer_svc.rl_step import make_value_loss_fn, prepare_update, rollout_batch
-from turnrl.trajectory import FinishReason, Segment, SegmentSource, Trajectory
+from turnrl.trajectory import (
+    FinishReason,
+    Segment,
+    SegmentSource,
+    Trajectory,
+    TurnReward,
+    TurnRewardSource,
+)
 from turnrl.v1 import common_pb2
 
 GAE = AlgorithmConfig(advantage_estimator="gae", gamma=1.0, gae_lambda=1.0)
@@ -93,6 +100,32 @@ def test_the_critic_learns_the_returns_of_a_fixed_multi_turn_batch(model_dir):
     assert fits[0]["critic/return_mean"] == pytest.approx(0.5)
     assert losses[-1] < 0.1 * losses[0], losses
     assert fits[-1]["critic/explained_variance"] > 0.8, fits[-1]
+
+
+def test_the_critic_learns_turn_returns_under_turn_gae(model_dir):
+    # Turn 0 (positions 4-6) of every other trajectory earned 0.5; the outcome is on turn 1
+    # (positions 9-10).
+    trajectories = [multi_turn_trajectory(i, float(i % 3 == 0)) for i in range(6)]
+    for trajectory in trajectories[::2]:
+        trajectory.turn_rewards = [TurnReward(0, 0.5, TurnRewardSource.TOOL, "calculator")]
+    rollouts = rollout_batch(trajectories, pad_token_id=0)
+    algorithm = AlgorithmConfig(advantage_estimator="turn_gae", enable_turn_rewards=True)
+    policy = FsdpPolicy(model_dir, SETTINGS)
+    critic = FsdpCritic(model_dir, SETTINGS.model_copy(update={"learning_rate": 3e-3}))
+    loss_fn = make_value_loss_fn(algorithm, CriticConfig(value_clip_range=0.5), normalizer=16)
+    losses = []
+    for _ in range(4):
+        prepare_update(rollouts, policy, None, critic, algorithm)
+        losses.append(critic.train_step(rollouts.batch, loss_fn)["loss"])
+
+    # turn_gamma = lambda = 1: turn 0's tokens return the turn reward plus the outcome, turn
+    # 1's the outcome; the tool tokens between them and the prompt get nothing.
+    returns = rollouts.batch.extras["returns"]
+    for row, trajectory in enumerate(trajectories):
+        outcome, earned = trajectory.reward.score, 0.5 * (row % 2 == 0)
+        expected = [0.0] * 4 + [outcome + earned] * 3 + [0.0] * 2 + [outcome] * 2
+        assert returns[row].tolist() == pytest.approx(expected, abs=1e-5)
+    assert losses[-1] < losses[0], losses
 
 
 def test_checkpoint_round_trip_restores_the_critic(model_dir, tmp_path):

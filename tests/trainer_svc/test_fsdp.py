@@ -1,10 +1,6 @@
 """FsdpPolicy on a tiny random Qwen3: logprobs, micro-batching, 2-rank FSDP2, checkpoints, export."""
 
 import math
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +15,7 @@ from tests.trainer_svc.fsdp_worker import (
     step_gradients,
     token_mean_loss,
 )
+from tests.trainer_svc.two_ranks import run_on_two_ranks
 from trainer_svc.batch import Batch, micro_batch_rows
 from trainer_svc.config import TrainSettings
 from trainer_svc.fsdp import FsdpPolicy, lr_factor
@@ -121,20 +118,9 @@ def test_two_rank_fsdp_equals_one_process(model_dir, tmp_path):
     grouped_gradients = step_gradients(grouped)
     grouped_metrics = grouped.train_step(grouped_batch(), token_mean_loss)
 
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        str(WORKER), str(model_dir), str(tmp_path / "step2.pt"), str(tmp_path),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    worker = subprocess.Popen(command, env=env, start_new_session=True, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
-    try:
-        output, _ = worker.communicate(timeout=WORKER_TIMEOUT_SECONDS)
-    finally:
-        if worker.poll() is None:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
-    assert worker.returncode == 0, output
+    run_on_two_ranks(
+        WORKER, model_dir, tmp_path / "step2.pt", tmp_path, timeout_seconds=WORKER_TIMEOUT_SECONDS
+    )
     ranks = torch.load(tmp_path / "rank0.pt", weights_only=False)
 
     torch.testing.assert_close(ranks["logprobs"], single_logprobs, atol=1e-6, rtol=0)

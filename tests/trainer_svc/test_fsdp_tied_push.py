@@ -4,10 +4,6 @@ two tensors, as in a plain process, the shared tensor travels once under the che
 the name the SGLang and vLLM engines check updates against (the checkpoint's tensors), and an
 hf replica ends up with the new weights in both its embedding and its output layer."""
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +18,7 @@ from tests.trainer_svc.test_weight_push import (
     load,
     sample,
 )
+from tests.trainer_svc.two_ranks import run_on_two_ranks
 from trainer_svc.config import TrainSettings
 from trainer_svc.fsdp import FsdpPolicy
 from turnrl.weights import BucketedWeights
@@ -33,20 +30,7 @@ BUCKET_SIZE_BYTES = 64 * 1024
 
 def fsdp_push(model_dir: Path, out_file: Path) -> list[tuple[str, torch.Tensor]]:
     """What a 2-rank FSDP2 trainer of `model_dir` pushes (fsdp_push_worker.py)."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        str(WORKER), str(model_dir), str(out_file),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    worker = subprocess.Popen(command, env=env, start_new_session=True, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
-    try:
-        output, _ = worker.communicate(timeout=WORKER_TIMEOUT_SECONDS)
-    finally:
-        if worker.poll() is None:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
-    assert worker.returncode == 0, output
+    run_on_two_ranks(WORKER, model_dir, out_file, timeout_seconds=WORKER_TIMEOUT_SECONDS)
     return torch.load(out_file, weights_only=False)
 
 

@@ -22,7 +22,7 @@ from trainer_svc.rl_step import (
     staleness_metrics,
     trainable,
 )
-from turnrl.trajectory import FinishReason, Segment, Trajectory
+from turnrl.trajectory import FinishReason, Segment, Trajectory, TurnReward, TurnRewardSource
 from turnrl.trajectory import SegmentSource as Source
 from turnrl.v1 import common_pb2
 
@@ -66,6 +66,39 @@ def test_rollout_batch_keeps_the_engines_tokens_and_logprobs_in_place():
     assert batch.extras["rollout_logprobs"][1, 2] == -2.0
     assert rollouts.rewards.tolist() == [1.0, 0.0, 0.5]
     assert rollouts.group_index.tolist() == [0, 1, 0]
+
+
+def test_a_trajectory_in_parts_is_a_row_per_part_scored_once_in_its_group():
+    """An agent that rewrote its history: a row per part (each its own context), every row
+    under the trajectory's reward, and GRPO's group statistics over trajectories, not rows:
+    the two-part trajectory counts once against its group's other sample."""
+    in_parts = [
+        (Source.PROMPT, [1, 2], []),
+        (Source.MODEL, [3, 4], [-0.5, -0.25]),
+        (Source.PROMPT, [1, 5, 6], []),
+        (Source.MODEL, [7], [-1.0]),
+        (Source.USER, [8], []),
+        (Source.MODEL, [9], [-2.0]),
+    ]
+    short = [(Source.PROMPT, [1, 2], []), (Source.MODEL, [3], [-2.0])]
+    two_parts, single = trajectory("a", 1.0, in_parts), trajectory("a", 0.0, short)
+    assert two_parts.parts == [(0, 4), (4, 10)] and single.parts == [(0, 3)]
+    rollouts = rollout_batch([two_parts, single], pad_token_id=0)
+    batch = rollouts.batch
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 0, 0], [1, 5, 6, 7, 8, 9], [1, 2, 3, 0, 0, 0]]
+    assert batch.loss_mask.tolist() == [
+        [0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 0, 1], [0, 0, 1, 0, 0, 0]
+    ]  # fmt: skip
+    assert batch.extras["rollout_logprobs"][1].tolist() == [0, 0, 0, -1.0, 0, -2.0]
+    assert rollouts.rewards.tolist() == [1.0, 1.0, 0.0]
+    assert rollouts.group_index.tolist() == [0, 0, 0]
+    assert rollouts.sequence_index.tolist() == [0, 0, 1]
+    # Dr.GRPO's r - group mean over the two samples: +0.5 and -0.5 (over the three rows it
+    # would be +1/3 and -2/3).
+    policy = FixedLogprobs(batch.extras["rollout_logprobs"])
+    prepare_update(rollouts, policy, None, None, AlgorithmConfig(advantage_estimator="dr_grpo"))
+    advantages = batch.extras["advantages"]
+    assert advantages[batch.loss_mask].tolist() == [0.5, 0.5, 0.5, 0.5, -0.5]
 
 
 def test_rollout_batch_with_a_policy_version_holds_each_model_tokens_staleness():
@@ -153,6 +186,21 @@ def test_dynamic_sampling_keeps_groups_whose_rewards_differ():
     ]
     assert [t.group_id for t in keep_groups_with_signal(batch)] == ["mixed", "mixed"]
     assert keep_groups_with_signal([]) == []
+
+
+def test_dynamic_sampling_with_turn_rewards_keeps_groups_whose_turns_earned_differently():
+    """Both samples got the same outcome, but only one earned its first turn a tool reward:
+    no signal for the outcome, signal for the turn-level estimators."""
+    rewarded, plain = trajectory("g", 1.0, TWO_TURNS), trajectory("g", 1.0, TWO_TURNS)
+    rewarded.turn_rewards = [TurnReward(0, 0.5, TurnRewardSource.TOOL, "calculator")]
+    assert keep_groups_with_signal([rewarded, plain]) == []
+    kept = keep_groups_with_signal([rewarded, plain], enable_turn_rewards=True)
+    assert kept == [rewarded, plain]
+    # The same reward moved to the other turn is a different signal, the same one is none.
+    moved = trajectory("g", 1.0, TWO_TURNS)
+    moved.turn_rewards = [TurnReward(1, 0.5, TurnRewardSource.TOOL, "calculator")]
+    assert keep_groups_with_signal([rewarded, moved], enable_turn_rewards=True) != []
+    assert keep_groups_with_signal([rewarded, rewarded], enable_turn_rewards=True) == []
 
 
 def test_trainable_needs_model_tokens_and_a_normal_end():

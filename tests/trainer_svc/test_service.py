@@ -52,7 +52,7 @@ class ScriptedLoop(RunLoop):
         if self.run_dir.name == "fails":
             raise RuntimeError("step 1 went wrong")
         self.emit(ProgressEvent(self.step, "train", {"train/loss": 1.0 / self.step}))
-        await self._evaluate_and_checkpoint_when_due()
+        await self._finish_step()
 
     async def _evaluate(self) -> None:
         pass

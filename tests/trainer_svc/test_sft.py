@@ -41,7 +41,7 @@ SMALL_SFT_RUN = {
     "mode": "sft",
     "eval_every": 2,
     "checkpoint_every": 2,
-    "wandb_mode": "disabled",
+    "loggers": [],
     "data": {"generated_train_size": 12, "generated_eval_size": 4},
     "sft": {"conversations_per_step": 4},
     "optim": {"learning_rate": 0.001},
@@ -171,6 +171,28 @@ async def test_an_sft_run_of_one_epoch_logs_evaluates_checkpoints_and_exports(
         torch.testing.assert_close(tensor, state["policy"]["model"][name], rtol=0, atol=0)
 
 
+async def test_an_sft_run_with_lora_trains_the_adapters_alone_and_exports_them(
+    tiny_model_dir, tmp_path
+):
+    config = sft_config_yaml(
+        tmp_path, run_name="lora", steps=2, lora={"rank": 4, "export_merged": True}
+    )
+    async with trainer_stub(tmp_path, str(tiny_model_dir)) as stub:
+        _, run, events = await run_to_end(stub, config)
+    assert run.state == State.STATE_SUCCEEDED, run.error_message
+    assert [e.step for e in events if e.stage == "train"] == [1, 2]
+    final = Path(run.output_dir) / "final_model"
+    assert json.loads((final / "adapter_config.json").read_text())["r"] == 4
+    adapters = AutoModelForCausalLM.from_pretrained(final)  # base + adapter, through peft
+    merged = AutoModelForCausalLM.from_pretrained(final / "merged")
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        tuned, plain = adapters(ids).logits, base(ids).logits
+        torch.testing.assert_close(merged(ids).logits, tuned, atol=1e-5, rtol=0)
+    assert not torch.allclose(tuned, plain)  # the adapters were trained and exported
+
+
 @pytest.mark.parametrize(
     ("trainer", "message"),
     [
@@ -289,7 +311,7 @@ async def test_turnrl_run_trains_the_example_in_the_trainer_service_alone(tiny_m
         "trainer.sft.epochs=null",
         "trainer.steps=2",
         "trainer.eval_every=0",
-        "trainer.wandb_mode=disabled",
+        "trainer.loggers=[]",
         "trainer.data.generated_train_size=16",
         "trainer.data.generated_eval_size=4",
         "trainer.sft.conversations_per_step=4",

@@ -23,23 +23,34 @@ from ..conftest import (
     children,
     kill_tree,
     run_turnrl,
+    scrape_metrics,
     serve_subprocess,
     spawn_turnrl,
 )
-from .runs import follow, run_config, run_to_end
+from .runs import check_dumps, follow, read_dump, run_config, run_to_end
 
 State = trainer_pb2.Run.State
 
 
-async def test_a_run_trains_evaluates_pushes_checkpoints_and_exports(services, tmp_path):
+async def test_a_run_trains_evaluates_pushes_checkpoints_and_exports(
+    services, trainer_metrics_port, tmp_path
+):
     async with rpc.open_channel(ClientConfig(address=services["trainer"])) as channel:
         stub = trainer_pb2_grpc.TrainerServiceStub(channel)
-        config = run_config(services, tmp_path, run_name="short")
+        # 5 of each step's 8 trajectories: the best and worst of both groups, and one more.
+        dumps = {"rollouts_per_step": 5, "extreme_groups": 2}
+        config = run_config(services, tmp_path, run_name="short", dumps=dumps)
         started = await stub.StartRun(trainer_pb2.StartRunRequest(config_yaml=config), timeout=60)
         assert started.run.name == "short" and started.run.total_steps == 2
         events = await follow(stub, "short")
         run = (await stub.GetRun(trainer_pb2.GetRunRequest(run_name="short"), timeout=10)).run
     assert run.state == State.STATE_SUCCEEDED and run.step == 2, run.error_message
+    scraped = await scrape_metrics(f"http://127.0.0.1:{trainer_metrics_port}/metrics")
+    assert scraped[("turnrl_trainer_step", (("run", "short"),))] == 2
+    assert scraped[("turnrl_trainer_total_steps", (("run", "short"),))] == 2
+    for phase in ("rollout", "train", "push", "eval"):
+        assert scraped[("turnrl_trainer_phase_seconds", (("phase", phase), ("run", "short")))] > 0
+    assert scraped[("process_resident_memory_bytes", ())] > 0
     stages = [(e.step, e.stage) for e in events]
     for step in (1, 2):
         for stage in ("rollout", "train", "push", "checkpoint"):
@@ -64,6 +75,15 @@ async def test_a_run_trains_evaluates_pushes_checkpoints_and_exports(services, t
     ]
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "rollout/reward_mean" in r] == [1, 2]
+    for record in [r for r in logged if "eval/accuracy" in r]:
+        # Greedy, one sample a prompt (trainer.eval's default): pass@1 is the accuracy.
+        assert record["eval/pass@1"] == record["eval/accuracy"]
+        assert record["eval/openai/gsm8k/pass@1"] == record["eval/accuracy"]
+        assert abs(record["eval/mean@1"] - record["eval/reward_mean"]) < 1e-6
+    dumped = check_dumps(run_dir, steps=[1, 2], per_step=5, eval_steps=[0, 1, 2])
+    for record in dumped[1] + dumped[2]:
+        # Synchronous: sampled by the weights the trainer recomputed them with.
+        assert record["staleness"] == 0 and record["logprob_mismatch"] < 1e-4, record
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "final_model")
     state = torch.load(run_dir / "checkpoints" / "step_000002" / "state.pt", weights_only=True)
     for name, tensor in exported.state_dict().items():
@@ -101,6 +121,13 @@ async def test_a_gae_run_trains_a_critic_checkpoints_it_and_resumes_with_it(serv
     # The new head starts at zero; the resumed run's values come from the checkpointed critic.
     assert train[1]["critic/value_mean"] == 0.0 and train[3]["critic/value_mean"] != 0.0
     assert "score.weight" in state["critic"]["model"] and state["critic"]["optimizer"]["state"]
+    # The resumed run wrote its step's dumps beside the first run's.
+    assert sorted(p.name for p in (run_dir / "rollouts").iterdir()) == [
+        "step_000001.jsonl",
+        "step_000002.jsonl",
+        "step_000003.jsonl",
+    ]
+    assert len(read_dump(run_dir / "rollouts" / "step_000001.jsonl")) == 8
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "final_model")  # the policy only
     assert exported.state_dict().keys() == state["policy"]["model"].keys()
 
@@ -128,6 +155,8 @@ async def test_stop_and_save_checkpoint_during_a_run(services, tmp_path):
         assert stopped.run.state == State.STATE_STOPPED
         assert 1 <= stopped.run.step < 100
         assert (tmp_path / "long" / "checkpoints" / f"step_{stopped.run.step:06d}").is_dir()
+        # The writer is flushed on stop: every step taken has its dump.
+        assert (tmp_path / "long" / "rollouts" / f"step_{stopped.run.step:06d}.jsonl").is_file()
         again = await stub.StopRun(trainer_pb2.StopRunRequest(run_name="long"), timeout=10)
         assert again.run.state == State.STATE_STOPPED
         with pytest.raises(errors.FailedPreconditionError):
@@ -149,6 +178,9 @@ async def test_turnrl_run_submits_to_services_already_running(services, tmp_path
     assert not any(f"[{name}]" in stderr for name in SERVICE_NAMES)  # no child of its own
     assert "run summary" in stderr
     assert json.loads((tmp_path / "elsewhere" / "summary.json").read_text())["steps"] == 1
+    # The run's page, written once the run ended, is the launch's last word.
+    assert stderr.rstrip().endswith(f"report: {tmp_path / 'elsewhere' / 'report.html'}")
+    assert 'id="run-data"' in (tmp_path / "elsewhere" / "report.html").read_text()
 
 
 @pytest.mark.parametrize(
@@ -218,7 +250,7 @@ async def test_a_two_rank_trainer_service_trains_as_one_rank_does(
                 steps=1,
                 eval_every=0,
                 ranks=ranks,
-                wandb_mode="disabled",  # its service process would outlive the ranks a while
+                loggers=[],  # its service process would outlive the ranks a while
                 **mode,
             )
             events = await run_to_end(address, config, name)
@@ -279,7 +311,7 @@ async def test_turnrl_run_killed_and_resumed_reproduces_the_next_step(
         "trainer.steps=3",
         "trainer.eval_every=0",
         "trainer.checkpoint_every=1",
-        "trainer.wandb_mode=disabled",
+        "trainer.loggers=[]",
         "trainer.data.generated_eval_size=4",
         "trainer.rollout.prompts_per_step=2",
         "trainer.rollout.samples_per_prompt=4",

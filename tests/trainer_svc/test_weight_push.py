@@ -74,9 +74,11 @@ async def sample(stub) -> list[common_pb2.Trajectory]:
     return await generate(stub, request)
 
 
-def assert_sampled_by(trajectories, model, other_model, policy_version: int) -> None:
-    """The engine's logprobs are `model`'s (fp32, 1e-4), and `other_model`'s are 10 times
-    further off."""
+def assert_sampled_by(
+    trajectories, model, other_model, policy_version: int, atol: float = 1e-4
+) -> None:
+    """The engine's logprobs are `model`'s (fp32, within `atol`), and `other_model`'s are
+    further off than 1e-3."""
     engine, expected, other = [], [], []
     for trajectory in trajectories:
         segments = [s for s in trajectory.segments if s.source == common_pb2.SEGMENT_SOURCE_MODEL]
@@ -88,7 +90,7 @@ def assert_sampled_by(trajectories, model, other_model, policy_version: int) -> 
         other += teacher_forced_logprobs(other_model, token_ids)[positions].tolist()
     engine, expected, other = map(torch.tensor, (engine, expected, other))
     assert len(engine) >= 8, [t.segments for t in trajectories]
-    assert torch.allclose(engine, expected, atol=1e-4)
+    assert torch.allclose(engine, expected, atol=atol), (engine - expected).abs().max()
     assert (engine - other).abs().max() > 1e-3
 
 

@@ -27,11 +27,13 @@ from turnrl.weights import BucketedWeights
 
 
 @contextlib.asynccontextmanager
-async def sglang_replica(model_dir, tp_size: int = 1, **options) -> AsyncIterator[tuple]:
+async def sglang_replica(
+    model_dir, tp_size: int = 1, argv: list[str] | None = None, **options
+) -> AsyncIterator[tuple]:
     """A rollout service on the SGLang engine with engine `options`, its server a stand-in
-    of `tp_size` tensor-parallel ranks that serves `model_dir` (the rollout config's
-    model_path, whose checkpoint the engine checks updates against)."""
-    server = SglangStandIn(model_path=str(model_dir), tp_size=tp_size)
+    of `tp_size` tensor-parallel ranks, started with the flags `argv`, that serves `model_dir`
+    (the rollout config's model_path, whose checkpoint the engine checks updates against)."""
+    server = SglangStandIn(model_path=str(model_dir), argv=argv, tp_size=tp_size)
     async with serve_app(server.app()) as url:
         server.url = url
         options = engine_options(url=url, **options)

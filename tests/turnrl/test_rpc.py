@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 
 from turnrl import errors, rpc
 from turnrl.config import ClientConfig, ServerConfig, TlsConfig
@@ -417,6 +418,7 @@ async def test_a_failed_watch_stops_the_server_and_is_raised(capsys):
             lambda server: tool_pb2_grpc.add_ToolServiceServicer_to_server(
                 ProbeToolServicer(), server
             ),
+            metrics=CollectorRegistry(),
             watch=engine_watch,
         )
     )

@@ -209,15 +209,16 @@ def test_final_answers_copy_the_last_tool_result(episodes):
 def test_the_tests_and_the_examples_models_ship_and_nothing_else(tmp_path):
     """They resolve to the shipped folders without building (scripts/ship_tiny_models.py makes
     them anew when what a build reads changes), and no stale folder ships beside them."""
-    examples = [
-        load_project_config(REPO_ROOT / "examples" / task / "config.yaml").tiny_model
-        for task in ("calculator", "search", "code")
+    configs = [
+        REPO_ROOT / "examples" / task / "config.yaml" for task in ("calculator", "search", "code")
     ]
+    configs.append(REPO_ROOT / "examples" / "calculator" / "turn_credit.yaml")
+    examples = [load_project_config(config).tiny_model for config in configs]
     folders = {
         build_tiny_model(tmp_path, settings=settings)
         for settings in (TinyModelSettings(), *examples)
     }
-    assert len(folders) == 4
+    assert len(folders) == 5
     assert {folder.name.split("-")[1] for folder in folders} == {"calculator", "search", "code"}
     assert {folder.parent for folder in folders} == {SHIPPED_MODELS_DIR}
     assert set(SHIPPED_MODELS_DIR.iterdir()) == folders

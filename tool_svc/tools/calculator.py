@@ -42,6 +42,12 @@ class CalculatorOptions(StrictModel):
         description="Largest numerator or denominator of any intermediate value, in bits "
         "(4096 bits is about 1233 decimal digits).",
     )
+    max_operations: int | None = Field(
+        default=None,
+        gt=0,
+        description="Most binary operations (+ - * / // % **) in one expression; null: any. "
+        "1 makes a chained problem take one call per step (benchmarks/turn_credit.py).",
+    )
 
 
 class CalculatorTool(Tool):
@@ -73,6 +79,13 @@ class CalculatorTool(Tool):
             raise ToolCallError(
                 ToolErrorKind.INVALID_ARGUMENTS, f"not an arithmetic expression: {expression!r}"
             ) from None
+        operations = sum(isinstance(node, ast.BinOp) for node in ast.walk(tree))
+        if options.max_operations is not None and operations > options.max_operations:
+            raise ToolCallError(
+                ToolErrorKind.INVALID_ARGUMENTS,
+                f"{expression!r} has {operations} operations; this calculator takes at most "
+                f"{options.max_operations} per call: compute one step a call",
+            )
         try:
             return _Evaluator(expression, options.max_value_bits).visit(tree.body)
         except RecursionError:

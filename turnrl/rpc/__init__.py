@@ -8,7 +8,11 @@
   `json_value`: INVALID_ARGUMENT rather than INTERNAL);
 - `channels`: one channel factory (keepalive, default deadline, token, status-to-error
   mapping), retries for idempotent calls, `wait_until_serving`, `list_services`;
-- `credentials`: TLS and mTLS from PEM files, for both sides.
+- `credentials`: TLS and mTLS from PEM files, for both sides;
+- `http_json` and `openapi`: a service's methods as JSON over HTTP beside its gRPC server
+  (`server.http_port` of the tool and reward services), described by an OpenAPI document;
+  imported by their own module path (`turnrl.rpc.http_json.serve_http_json`), since they load
+  Starlette and uvicorn, which gRPC callers do not need.
 
 Besides the services' `server.py` files, this is the only turnrl package that imports grpc:
 service logic raises `turnrl.errors` exceptions and `StatusMappingInterceptor` turns them into

@@ -106,7 +106,7 @@ async def serve(
     service: ServiceDescriptor,
     add_servicer: Callable[[grpc.aio.Server], None],
     *,
-    metrics: CollectorRegistry | None = None,
+    metrics: CollectorRegistry,
     watch: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Serves one service until SIGTERM or SIGINT, then shuts down gracefully. When `watch()`
@@ -119,7 +119,7 @@ async def serve(
     `metrics of <ServiceName> on http://<host>:<port>/metrics` is printed before it.
     """
     running = await start_server(config, service, add_servicer)
-    if config.metrics_port is not None and metrics is not None:
+    if config.metrics_port is not None:
         # prometheus_client serves from its own daemon thread; it never touches the event loop.
         http_server, _ = start_http_server(config.metrics_port, addr=config.host, registry=metrics)
         print(

@@ -81,13 +81,20 @@ async def _abort_for(error: Exception, context: grpc.aio.ServicerContext, method
         raise error
     if _is_abort(error):
         raise error  # context.abort() already set the status
+    await context.abort(*status_for(error, method))
+
+
+def status_for(error: Exception, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status and message a servicer's exception is answered with, on gRPC and over
+    HTTP/JSON (turnrl.rpc.http_json) alike: a `turnrl.errors` one's by STATUS_BY_ERROR, a bug
+    INTERNAL (its traceback logged, the caller told only that it was internal)."""
     if isinstance(error, NotImplementedError):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented yet")
+        return grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented yet"
     for error_type, code in STATUS_BY_ERROR.items():
         if isinstance(error, error_type):
-            await context.abort(code, str(error))
+            return code, str(error)
     log.exception("%s failed", method, exc_info=error)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the server log")
+    return grpc.StatusCode.INTERNAL, f"internal error in {method}; see the server log"
 
 
 class _Unparsable:

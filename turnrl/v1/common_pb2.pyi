@@ -107,6 +107,34 @@ FINISH_REASON_ERROR: FinishReason.ValueType  # 8
 """An unrecoverable error; `Trajectory.error_message` says which."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
+class _TurnRewardSource:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TurnRewardSourceEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TurnRewardSource.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TURN_REWARD_SOURCE_UNSPECIFIED: _TurnRewardSource.ValueType  # 0
+    """Not set. Rejected with INVALID_ARGUMENT."""
+    TURN_REWARD_SOURCE_TOOL: _TurnRewardSource.ValueType  # 1
+    """A tool's `step_reward` for a call the turn made."""
+    TURN_REWARD_SOURCE_INTERACTION: _TurnRewardSource.ValueType  # 2
+    """The interaction's (simulated user's) score of the turn."""
+    TURN_REWARD_SOURCE_SCORER: _TurnRewardSource.ValueType  # 3
+    """A per-turn score from the reward service's scorer."""
+
+class TurnRewardSource(_TurnRewardSource, metaclass=_TurnRewardSourceEnumTypeWrapper):
+    """Where a model turn's reward came from."""
+
+TURN_REWARD_SOURCE_UNSPECIFIED: TurnRewardSource.ValueType  # 0
+"""Not set. Rejected with INVALID_ARGUMENT."""
+TURN_REWARD_SOURCE_TOOL: TurnRewardSource.ValueType  # 1
+"""A tool's `step_reward` for a call the turn made."""
+TURN_REWARD_SOURCE_INTERACTION: TurnRewardSource.ValueType  # 2
+"""The interaction's (simulated user's) score of the turn."""
+TURN_REWARD_SOURCE_SCORER: TurnRewardSource.ValueType  # 3
+"""A per-turn score from the reward service's scorer."""
+Global___TurnRewardSource: _TypeAlias = TurnRewardSource  # noqa: Y015
+
 @_typing.final
 class Message(_message.Message):
     """One chat message, as an OpenAI-style chat-completions API would carry it."""
@@ -352,7 +380,9 @@ class SamplingParams(_message.Message):
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids that end a model turn (in addition to the tokenizer's EOS and the
-        chat template's end-of-turn token). The stop token is kept in the output.
+        chat template's end-of-turn token). The stop token is kept in the output. An id
+        of ordinary text (not a special token) ends the turn as a stop string does: it
+        stays in the tokens, out of the message's text, and the template closes the turn.
         """
 
     def __init__(
@@ -482,6 +512,7 @@ class Reward(_message.Message):
     EXTRAS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    TURN_REWARDS_FIELD_NUMBER: _builtins.int
     score: _builtins.float
     """Scalar reward used for training."""
     error: _builtins.bool
@@ -492,6 +523,12 @@ class Reward(_message.Message):
     def extras(self) -> _struct_pb2.Struct:
         """Scorer-specific details (extracted answer, accuracy, sub-scores), JSON-like."""
 
+    @_builtins.property
+    def turn_rewards(self) -> _containers.RepeatedCompositeFieldContainer[Global___TurnReward]:
+        """Rewards the scorer gave single model turns, beside `score` (the outcome); their
+        `source` is TURN_REWARD_SOURCE_SCORER. Empty for outcome-only scorers.
+        """
+
     def __init__(
         self,
         *,
@@ -499,14 +536,51 @@ class Reward(_message.Message):
         extras: _struct_pb2.Struct | None = ...,
         error: _builtins.bool = ...,
         error_message: _builtins.str = ...,
+        turn_rewards: _abc.Iterable[Global___TurnReward] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["extras", b"extras"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "error_message", b"error_message", "extras", b"extras", "score", b"score"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "error_message", b"error_message", "extras", b"extras", "score", b"score", "turn_rewards", b"turn_rewards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Reward: _TypeAlias = Reward  # noqa: Y015
+
+@_typing.final
+class TurnReward(_message.Message):
+    """A reward earned by one model turn."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TURN_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    turn: _builtins.int
+    """The model turn, 0-based: the k-th run of consecutive SEGMENT_SOURCE_MODEL segments of
+    the trajectory (one per entry of `Trajectory.turns`).
+    """
+    value: _builtins.float
+    """The reward; added to the turn's other rewards."""
+    source: Global___TurnRewardSource.ValueType
+    """What kind of thing gave it."""
+    name: _builtins.str
+    """Which one: the tool's, the interaction's or the scorer's name."""
+    def __init__(
+        self,
+        *,
+        turn: _builtins.int = ...,
+        value: _builtins.float = ...,
+        source: Global___TurnRewardSource.ValueType = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "source", b"source", "turn", b"turn", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TurnReward: _TypeAlias = TurnReward  # noqa: Y015
 
 @_typing.final
 class TurnMetrics(_message.Message):
@@ -588,6 +662,7 @@ class Trajectory(_message.Message):
     TURNS_FIELD_NUMBER: _builtins.int
     METRICS_FIELD_NUMBER: _builtins.int
     DATA_SOURCE_FIELD_NUMBER: _builtins.int
+    TURN_REWARDS_FIELD_NUMBER: _builtins.int
     trajectory_id: _builtins.str
     """Unique id of this trajectory, such as "<group_id>/<sample_index>"."""
     group_id: _builtins.str
@@ -602,7 +677,11 @@ class Trajectory(_message.Message):
     """Dataset the prompt came from (the reward service's scorer key)."""
     @_builtins.property
     def segments(self) -> _containers.RepeatedCompositeFieldContainer[Global___Segment]:
-        """Token runs in order; the first is SEGMENT_SOURCE_PROMPT."""
+        """Token runs in order; the first is SEGMENT_SOURCE_PROMPT. A later SEGMENT_SOURCE_PROMPT
+        run after runs of other sources starts a new part: a context that does not continue the
+        tokens before it (an agent that rewrote its history through the gateway). The trainer
+        trains each part as a sequence of its own, under this trajectory's reward.
+        """
 
     @_builtins.property
     def loss_mask(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
@@ -610,11 +689,13 @@ class Trajectory(_message.Message):
 
     @_builtins.property
     def response_mask(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
-        """1 on every token after the prompt, 0 on the prompt; length = total tokens."""
+        """1 on every token after the prompt (each part's), 0 on prompts; length = total tokens."""
 
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___Message]:
-        """The conversation as messages (prompt plus every turn), for scoring and logs."""
+        """The conversation as messages (prompt plus every turn; each part's in turn), for scoring
+        and logs.
+        """
 
     @_builtins.property
     def reward(self) -> Global___Reward:
@@ -627,6 +708,12 @@ class Trajectory(_message.Message):
     @_builtins.property
     def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Aggregate metrics (tokens, turns, tool calls, tool errors, seconds), by name."""
+
+    @_builtins.property
+    def turn_rewards(self) -> _containers.RepeatedCompositeFieldContainer[Global___TurnReward]:
+        """Rewards earned by single model turns (tools, interaction, scorer), in the order they were
+        given; the outcome is `reward`. A turn index beyond the trajectory's turns is rejected.
+        """
 
     def __init__(
         self,
@@ -644,10 +731,11 @@ class Trajectory(_message.Message):
         turns: _abc.Iterable[Global___TurnMetrics] | None = ...,
         metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         data_source: _builtins.str = ...,
+        turn_rewards: _abc.Iterable[Global___TurnReward] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reward", b"reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_source", b"data_source", "error_message", b"error_message", "finish_reason", b"finish_reason", "group_id", b"group_id", "loss_mask", b"loss_mask", "messages", b"messages", "metrics", b"metrics", "response_mask", b"response_mask", "reward", b"reward", "sample_index", b"sample_index", "segments", b"segments", "trajectory_id", b"trajectory_id", "turns", b"turns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_source", b"data_source", "error_message", b"error_message", "finish_reason", b"finish_reason", "group_id", b"group_id", "loss_mask", b"loss_mask", "messages", b"messages", "metrics", b"metrics", "response_mask", b"response_mask", "reward", b"reward", "sample_index", b"sample_index", "segments", b"segments", "trajectory_id", b"trajectory_id", "turn_rewards", b"turn_rewards", "turns", b"turns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -581,6 +581,42 @@ class UpdateWeightsResponse(_message.Message):
 Global___UpdateWeightsResponse: _TypeAlias = UpdateWeightsResponse  # noqa: Y015
 
 @_typing.final
+class LoraAdapter(_message.Message):
+    """A LoRA adapter (peft's LoRA): a low-rank update B A, scaled by alpha / rank, added to
+    each target linear layer's weight.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    ALPHA_FIELD_NUMBER: _builtins.int
+    TARGET_MODULES_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    """Rank r of every adapter: lora_A is r x in, lora_B is out x r. Positive."""
+    alpha: _builtins.float
+    """Scaling numerator: a layer's output gains (alpha / rank) B A x. Positive."""
+    @_builtins.property
+    def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The linear layers that carry adapters, by the last part of their module name, e.g.
+        "q_proj". At least one.
+        """
+
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        alpha: _builtins.float = ...,
+        target_modules: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alpha", b"alpha", "rank", b"rank", "target_modules", b"target_modules"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoraAdapter: _TypeAlias = LoraAdapter  # noqa: Y015
+
+@_typing.final
 class PushWeightsHeader(_message.Message):
     """The first message of a PushWeights stream."""
 
@@ -588,21 +624,33 @@ class PushWeightsHeader(_message.Message):
 
     TENSORS_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    LORA_ADAPTER_FIELD_NUMBER: _builtins.int
     policy_version: _builtins.int
     """Version the engine takes after loading; must be newer than its current one."""
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]:
         """Tensors in the order their chunks follow."""
 
+    @_builtins.property
+    def lora_adapter(self) -> Global___LoraAdapter:
+        """Unset: `tensors` are base weights, loaded into the model's parameters. Set: `tensors`
+        are a LoRA adapter under peft's saved names (those of `adapter_model.safetensors`, e.g.
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"), which replaces the
+        adapter the engine applies while its base weights stay. Returns FAILED_PRECONDITION
+        when the engine does not load adapters, or cannot take this rank or these target
+        modules; INVALID_ARGUMENT for a name that is no adapter tensor of the model.
+        """
+
     def __init__(
         self,
         *,
         tensors: _abc.Iterable[Global___TensorSpec] | None = ...,
         policy_version: _builtins.int = ...,
+        lora_adapter: Global___LoraAdapter | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lora_adapter", b"lora_adapter"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["policy_version", b"policy_version", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lora_adapter", b"lora_adapter", "policy_version", b"policy_version", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -750,6 +798,7 @@ class GetStatsResponse(_message.Message):
     METRICS_FIELD_NUMBER: _builtins.int
     WEIGHT_SYNC_RANKS_FIELD_NUMBER: _builtins.int
     WEIGHTS_INCOMPLETE_REASON_FIELD_NUMBER: _builtins.int
+    LOADS_LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     """Engine name, such as "hf" or "sglang"."""
     policy_version: _builtins.int
@@ -775,6 +824,11 @@ class GetStatsResponse(_message.Message):
     recover (push again, or restart the service to reload its model). A complete
     UpdateWeights or PushWeights clears it.
     """
+    loads_lora_adapters: _builtins.bool
+    """Whether the engine loads LoRA adapters (PushWeightsHeader.lora_adapter): always for hf;
+    for SGLang and vLLM, when its server was started with LoRA enabled (rollout config
+    `engine_options.lora`).
+    """
     @_builtins.property
     def uptime(self) -> _duration_pb2.Duration:
         """Time since the service started."""
@@ -799,10 +853,11 @@ class GetStatsResponse(_message.Message):
         metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         weight_sync_ranks: _builtins.int = ...,
         weights_incomplete_reason: _builtins.str = ...,
+        loads_lora_adapters: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["uptime", b"uptime"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "finished_trajectories", b"finished_trajectories", "generated_tokens", b"generated_tokens", "metrics", b"metrics", "paused", b"paused", "policy_version", b"policy_version", "running_trajectories", b"running_trajectories", "uptime", b"uptime", "waiting_trajectories", b"waiting_trajectories", "weight_sync_ranks", b"weight_sync_ranks", "weights_incomplete_reason", b"weights_incomplete_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "finished_trajectories", b"finished_trajectories", "generated_tokens", b"generated_tokens", "loads_lora_adapters", b"loads_lora_adapters", "metrics", b"metrics", "paused", b"paused", "policy_version", b"policy_version", "running_trajectories", b"running_trajectories", "uptime", b"uptime", "waiting_trajectories", b"waiting_trajectories", "weight_sync_ranks", b"weight_sync_ranks", "weights_incomplete_reason", b"weights_incomplete_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

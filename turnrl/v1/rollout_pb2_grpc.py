@@ -142,8 +142,10 @@ class RolloutServiceServicer:
 
     def PushWeights(self, request_iterator, context):
         """Receives one weight update as a stream of tensor chunks: the fallback when
-        no process group can be formed. The first message is the header; chunks
-        follow. Errors as for UpdateWeights.
+        no process group can be formed, and the way LoRA adapters travel
+        (`PushWeightsHeader.lora_adapter`). The first message is the header; chunks
+        follow. Errors as for UpdateWeights; FAILED_PRECONDITION as well for an
+        adapter the engine does not load (GetStatsResponse.loads_lora_adapters).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

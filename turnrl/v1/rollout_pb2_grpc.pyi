@@ -72,8 +72,10 @@ class RolloutServiceStub:
     """
     PushWeights: _grpc.StreamUnaryMultiCallable[_rollout_pb2.PushWeightsRequest, _rollout_pb2.PushWeightsResponse]
     """Receives one weight update as a stream of tensor chunks: the fallback when
-    no process group can be formed. The first message is the header; chunks
-    follow. Errors as for UpdateWeights.
+    no process group can be formed, and the way LoRA adapters travel
+    (`PushWeightsHeader.lora_adapter`). The first message is the header; chunks
+    follow. Errors as for UpdateWeights; FAILED_PRECONDITION as well for an
+    adapter the engine does not load (GetStatsResponse.loads_lora_adapters).
     """
     GetStats: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.GetStatsRequest, _rollout_pb2.GetStatsResponse]
     """Reports the engine's and the agent loop's current state."""
@@ -118,8 +120,10 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     """
     PushWeights: _aio.StreamUnaryMultiCallable[_rollout_pb2.PushWeightsRequest, _rollout_pb2.PushWeightsResponse]  # type: ignore[assignment]
     """Receives one weight update as a stream of tensor chunks: the fallback when
-    no process group can be formed. The first message is the header; chunks
-    follow. Errors as for UpdateWeights.
+    no process group can be formed, and the way LoRA adapters travel
+    (`PushWeightsHeader.lora_adapter`). The first message is the header; chunks
+    follow. Errors as for UpdateWeights; FAILED_PRECONDITION as well for an
+    adapter the engine does not load (GetStatsResponse.loads_lora_adapters).
     """
     GetStats: _aio.UnaryUnaryMultiCallable[_rollout_pb2.GetStatsRequest, _rollout_pb2.GetStatsResponse]  # type: ignore[assignment]
     """Reports the engine's and the agent loop's current state."""
@@ -203,8 +207,10 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_rollout_pb2.PushWeightsResponse, _abc.Awaitable[_rollout_pb2.PushWeightsResponse]]:
         """Receives one weight update as a stream of tensor chunks: the fallback when
-        no process group can be formed. The first message is the header; chunks
-        follow. Errors as for UpdateWeights.
+        no process group can be formed, and the way LoRA adapters travel
+        (`PushWeightsHeader.lora_adapter`). The first message is the header; chunks
+        follow. Errors as for UpdateWeights; FAILED_PRECONDITION as well for an
+        adapter the engine does not load (GetStatsResponse.loads_lora_adapters).
         """
 
     @_abc_1.abstractmethod

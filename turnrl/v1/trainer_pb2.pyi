@@ -303,7 +303,9 @@ class StreamProgressResponse(_message.Message):
     step: _builtins.int
     """Step this event belongs to."""
     stage: _builtins.str
-    """Stage that just finished: "rollout", "train", "push", "eval", "checkpoint"."""
+    """Stage that just finished: "rollout", "train", "push", "eval", "checkpoint", "upload"
+    (an upload to the Hub ended, at the run's current step; the message names the upload's).
+    """
     message: _builtins.str
     """Human-readable line for consoles."""
     @_builtins.property

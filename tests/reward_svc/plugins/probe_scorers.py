@@ -40,3 +40,42 @@ def fails_on_some_responses(request: ScoringRequest) -> Score:
 
 def returns_a_float(request: ScoringRequest) -> Score:
     return 1.0  # type: ignore[return-value]
+
+
+def verl_breakdown(data_source, solution_str, ground_truth, extra_info=None):
+    """A verl reward function returning a dict: its keys besides "score" are what verl logs."""
+    right = solution_str == ground_truth
+    return {"score": float(right), "acc": right, "difficulty": extra_info["difficulty"]}
+
+
+def verl_fails_on_some_responses(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "raise":
+        raise ValueError(f"cannot parse {solution_str!r}")
+    return 1.0
+
+
+def verl_returns_text(data_source, solution_str, ground_truth, extra_info=None):
+    return "1.0"
+
+
+def _model_turns(request: ScoringRequest) -> int:
+    return sum(message["role"] == "assistant" for message in request.messages)
+
+
+def rewards_each_turn(request: ScoringRequest) -> Score:
+    """`compute_score` as the outcome, and 0.1 * (k + 1) for model turn k."""
+    turns = {turn: 0.1 * (turn + 1) for turn in range(_model_turns(request))}
+    return Score(compute_score(request).score, turn_rewards=turns)
+
+
+def rewards_a_turn_past_the_end(request: ScoringRequest) -> Score:
+    """A per-turn reward for the turn after the last: a turn the conversation does not have."""
+    return Score(1.0, turn_rewards={_model_turns(request): 1.0})
+
+
+def rewards_a_named_turn(request: ScoringRequest) -> Score:
+    return Score(1.0, turn_rewards={"first": 1.0})  # type: ignore[dict-item]
+
+
+def verl_turn_rewards(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": 1.0, "acc": True, "turn_rewards": {0: -0.5, 2: 0.25}}
