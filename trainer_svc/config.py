@@ -1,6 +1,11 @@
 """The `trainer:` section of a turnrl config: the run and its mode (RL or SFT), its data, the
 rollouts it asks for, the RL algorithm, the SFT batches, the optimizer and where the other
-services are."""
+services are.
+
+Longer than our modules should be (~900 lines), on purpose: it is the schema of one config
+section, each class a sub-section with its fields, defaults, descriptions and checks, and one
+file is where a reader looks up any `trainer.` key (as torchtitan keeps its whole config in
+`job_config.py`). The code that acts on a setting lives with that feature, not here."""
 
 import math
 import re

@@ -35,7 +35,9 @@ def judge_records(policy: list[Trajectory], settings: JudgeTrainingConfig) -> li
     return [
         PromptRecord(
             prompt_id=JUDGE_PREFIX + trajectory.trajectory_id,
-            messages=[{"role": "user", "content": judge_prompt(trajectory, settings.rubric)}],
+            messages=[
+                {"role": "user", "content": judge_prompt(trajectory.messages, settings.rubric)}
+            ],
             data_source=JUDGE_DATA_SOURCE,
             ground_truth={"correct": accurate(trajectory)},
         )
@@ -43,10 +45,9 @@ def judge_records(policy: list[Trajectory], settings: JudgeTrainingConfig) -> li
     ]
 
 
-def judge_prompt(trajectory: Trajectory, rubric: str) -> str:
-    """The rubric filled from `trajectory`: {question}, its first user message's text, and
-    {transcript}, the messages after it, one per paragraph."""
-    messages = trajectory.messages
+def judge_prompt(messages: list[dict[str, Any]], rubric: str) -> str:
+    """The rubric filled from a policy's `messages`: {question}, its first user message's text,
+    and {transcript}, the messages after it, one per paragraph."""
     first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
     transcript = "\n\n".join(_message_text(m) for m in messages[first_user + 1 :])
     return rubric.format(question=_content_text(messages[first_user]), transcript=transcript)

@@ -70,6 +70,24 @@ class TinyModelSettings(StrictModel):
         "name; code: the problem's first number; both always wrong): a warm start that uses "
         "the tool only some of the time, for RL to teach it to use the tool every time.",
     )
+    judge_share: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="calculator only: share of the training problems that also give a judge's "
+        "conversation (the model's second role when trainer.judge_training co-trains a judge): "
+        "trainer.judge_training's default rubric filled with the problem and a transcript "
+        "(the solved conversation, the guess, or one with a miscopied number: "
+        "turnrl_demo.tiny_model.JUDGED_TRANSCRIPTS), answered 'Verdict: yes' or 'Verdict: no' "
+        "by the task's answer.",
+    )
+    judge_noise: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of those verdicts flipped: a judge that starts out unsure, for RL "
+        "to sharpen.",
+    )
     train_steps: int = Field(
         default=2000,
         gt=0,
@@ -95,6 +113,12 @@ class TinyModelSettings(StrictModel):
         """A partial `optim:` changes only the keys it names, not every other one back to
         trainer.optim's defaults."""
         return {**TINY_MODEL_OPTIM, **value} if isinstance(value, dict) else value
+
+    @model_validator(mode="after")
+    def _judges_only_for_the_calculator(self) -> Self:
+        if self.judge_share and self.task != "calculator":
+            raise ValueError(f"judge_share is for the calculator task only, not {self.task!r}")
+        return self
 
     @model_validator(mode="after")
     def _schedule_fits_the_run(self) -> Self:

@@ -31,6 +31,7 @@ under the folder names a build would get: every machine and every service of a r
 same bytes, and nothing is built. `scripts/ship_tiny_models.py` rebuilds them.
 """
 
+import copy
 import hashlib
 import json
 import logging
@@ -48,6 +49,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from tool_svc.tools.calculator import CalculatorOptions, CalculatorTool, format_value
 from tool_svc.tools.python import PythonTool
 from tool_svc.tools.search import (
     DEFAULT_MAX_TOPK,
@@ -56,7 +58,9 @@ from tool_svc.tools.search import (
     format_passages,
     search_schema,
 )
+from trainer_svc.config import DEFAULT_JUDGE_RUBRIC
 from trainer_svc.data import ConversationRecord
+from trainer_svc.judge_training import judge_prompt
 from trainer_svc.sft import sft_in_process, tokenize_conversations
 from turnrl import calculator_data, code_problems, search_world
 from turnrl.chat_tokens import CHAT_TEMPLATE
@@ -70,6 +74,12 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 4
 # Built models shipped with the package, in folders named as the cache names them.
 SHIPPED_MODELS_DIR = Path(__file__).with_name("models")
+# What the judge's SFT conversations judge, and each one's share: the solved conversation; the
+# guess; the call with its first number miscopied from the question (the tool's result of that
+# copied into the answer: the mistake a policy rewarded for calling the tool makes first); the
+# right call with a miscopied answer.
+JUDGED_TRANSCRIPTS = {"solved": 0.5, "guess": 0.2, "miscopied_call": 0.15, "miscopied_answer": 0.15}
+CALCULATOR = CalculatorTool("calculator", CalculatorOptions())
 # Qwen2.5's chat tokens: the special ones, then the tool-call markers it has as plain added tokens.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -99,7 +109,9 @@ def build_tiny_model(
     models_dir = models_dir or cache_dir() / "tiny_models"
     chat_template = CHAT_TEMPLATE.read_text()
     conversations = training_conversations(settings, seed)
-    name = f"qwen3-{settings.task}-{_cache_key(settings, seed, chat_template, conversations)}"
+    judges = judge_conversations(settings, seed)
+    key = _cache_key(settings, seed, chat_template, conversations + judges)
+    name = f"qwen3-{settings.task}-{key}"
     if (SHIPPED_MODELS_DIR / name).is_dir():
         return SHIPPED_MODELS_DIR / name
     target = models_dir / name
@@ -109,7 +121,7 @@ def build_tiny_model(
     models_dir.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=models_dir))
     try:
-        _build(building, settings, seed, chat_template, conversations)
+        _build(building, settings, seed, chat_template, conversations, judges)
         try:
             building.rename(target)
         except OSError:
@@ -146,6 +158,62 @@ def training_conversations(settings: TinyModelSettings, seed: int) -> list[list[
         problem.guess_messages if guesses.random() < settings.guess_share else problem.messages
         for problem in problems
     ]
+
+
+def judge_conversations(settings: TinyModelSettings, seed: int) -> list[list[dict[str, Any]]]:
+    """The judge's SFT conversations (`judge_share`; the calculator task only): for that share
+    of the training problems, the prompt a co-trained judge gets (`trainer_svc.judge_training`,
+    its default rubric) on one of JUDGED_TRANSCRIPTS, and the verdict the task's answer gives,
+    `judge_noise` of them flipped."""
+    if not settings.judge_share:
+        return []
+    draws = random.Random(f"judges:{seed}")
+    problems = calculator_data.generate_problems(
+        settings.train_problems, seed=seed, split="train", settings=settings.problems
+    )
+    kinds, shares = zip(*JUDGED_TRANSCRIPTS.items(), strict=True)
+    conversations = []
+    for problem in problems:
+        if draws.random() >= settings.judge_share:
+            continue
+        judged = _judged_transcript(problem, draws.choices(kinds, shares)[0], draws)
+        right = calculator_data.final_answer(judged[-1]["content"]) == str(problem.answer)
+        if draws.random() < settings.judge_noise:
+            right = not right
+        prompt = judge_prompt(judged, DEFAULT_JUDGE_RUBRIC)
+        verdict = f"Verdict: {'yes' if right else 'no'}"
+        conversations.append(
+            [{"role": "user", "content": prompt}, {"role": "assistant", "content": verdict}]
+        )
+    return conversations
+
+
+def _judged_transcript(
+    problem: calculator_data.CalculatorProblem, kind: str, draws: random.Random
+) -> list[dict[str, Any]]:
+    """The policy's messages of one JUDGED_TRANSCRIPTS kind on `problem`."""
+    if kind == "solved":
+        return problem.messages
+    if kind == "guess":
+        return problem.guess_messages
+    messages = copy.deepcopy(problem.messages)
+    *_, call, result, answer = messages
+    if kind == "miscopied_call":
+        arguments = call["tool_calls"][0]["function"]["arguments"]
+        first = re.search(r"\d+", arguments["expression"])
+        miscopied = _another_number(int(first[0]), draws)
+        expression = f"{arguments['expression'][: first.start()]}{miscopied}"
+        arguments["expression"] = expression + arguments["expression"][first.end() :]
+        result["content"] = format_value(CALCULATOR.evaluate(arguments["expression"]))
+        answer["content"] = f"#### {result['content']}"
+    else:  # miscopied_answer
+        answer["content"] = f"#### {_another_number(int(result['content']), draws)}"
+    return messages
+
+
+def _another_number(number: int, draws: random.Random) -> int:
+    """A number near `number` and not it, never negative."""
+    return abs(number + draws.choice([-1, 1]) * draws.randint(1, 9)) or number + 1
 
 
 def task_tools(settings: TinyModelSettings) -> list[dict[str, Any]]:
@@ -188,15 +256,27 @@ def _cache_key(
             # none), so it leaves the build, and the shipped folders' names, as they were. The
             # task names the folder and decides the conversations: left out too, so the
             # calculator models keep the names they shipped under before there were tasks.
-            "settings": settings.model_dump(
-                mode="json", exclude={"task": True, "optim": {"shared_prefix_forward"}}
-            ),
+            "settings": _described_settings(settings),
             "chat_template_sha256": _sha256(chat_template),
             "conversations_sha256": _sha256(json.dumps(conversations, sort_keys=True)),
         },
         sort_keys=True,
     )
     return _sha256(described)[:16]
+
+
+def _described_settings(settings: TinyModelSettings) -> dict[str, Any]:
+    """The settings that go into the cache key. shared_prefix_forward shapes the forwards of RL
+    groups only (an SFT batch has none), so it is left out, and the shipped folders keep their
+    names. The task names the folder and decides the conversations: left out too, so the
+    calculator models keep the names they shipped under before there were tasks; and so are
+    the judge's settings while there is no judge, for the models shipped before it."""
+    described = settings.model_dump(
+        mode="json", exclude={"task": True, "optim": {"shared_prefix_forward"}}
+    )
+    if not settings.judge_share:
+        del described["judge_share"], described["judge_noise"]
+    return described
 
 
 def _sha256(text: str) -> str:
@@ -209,13 +289,15 @@ def _build(
     seed: int,
     chat_template: str,
     conversations: list[list[dict[str, Any]]],
+    judges: list[list[dict[str, Any]]],
 ) -> None:
-    """Trains the tokenizer, makes the new model, fine-tunes it by the trainer's SFT and saves
-    both into `folder`."""
+    """Trains the tokenizer, makes the new model, fine-tunes it by the trainer's SFT on the
+    task's `conversations` (with its tool) and the `judges`' (without) and saves both into
+    `folder`."""
     started = time.monotonic()
     logger.info("tiny model: building into %s", folder)
     tokenizer = _train_tokenizer(
-        conversations,
+        conversations + judges,
         chat_template,
         task_tools(settings),
         settings.vocab_size,
@@ -229,7 +311,7 @@ def _build(
     records = [
         ConversationRecord(f"tiny-model-{i}", messages, task_tools(settings))
         for i, messages in enumerate(conversations)
-    ]
+    ] + [ConversationRecord(f"tiny-judge-{i}", messages, None) for i, messages in enumerate(judges)]
     examples = tokenize_conversations(tokenizer, records, settings.sft.max_length)
     model = _new_model(tokenizer, settings, seed)
     logger.info(

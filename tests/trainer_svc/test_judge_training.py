@@ -59,7 +59,7 @@ def judge(policy: Trajectory, sample: int, verdict: float | None, *, failed=Fals
 
 
 def test_a_judges_prompt_names_the_problem_and_every_turn_after_it():
-    prompt = judge_prompt(policy_trajectory("p", 1.0), JudgeTrainingConfig().rubric)
+    prompt = judge_prompt(policy_trajectory("p", 1.0).messages, JudgeTrainingConfig().rubric)
     assert "Problem: What is 6 times 7?" in prompt
     assert 'assistant:\ncalls calculator({"expression": "6*7"})' in prompt
     assert "tool: 42\n\nassistant: #### 42" in prompt

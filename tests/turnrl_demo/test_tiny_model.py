@@ -6,6 +6,7 @@ The calculator data it learns from: tests/turnrl/test_calculator_data.py."""
 
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
@@ -17,7 +18,8 @@ from tool_svc.config import ToolConfig
 from tool_svc.service import ToolService
 from tool_svc.tools.base import ToolCallError
 from tool_svc.tools.calculator import CalculatorOptions, CalculatorTool, format_value
-from trainer_svc.config import SftConfig, TrainSettings
+from trainer_svc.config import DEFAULT_JUDGE_RUBRIC, SftConfig, TrainSettings
+from trainer_svc.judge_training import judge_prompt
 from turnrl.calculator_data import (
     CALCULATOR_TOOL,
     TOOLS,
@@ -31,10 +33,12 @@ from turnrl_cli.model_paths import load_with_tiny_model
 from turnrl_cli.project_config import load_project_config
 from turnrl_demo.settings import TinyModelSettings
 from turnrl_demo.tiny_model import (
+    JUDGED_TRANSCRIPTS,
     SHIPPED_MODELS_DIR,
     SPECIAL_TOKENS,
     TOOL_TOKENS,
     build_tiny_model,
+    judge_conversations,
     task_tools,
     training_conversations,
 )
@@ -274,6 +278,49 @@ def test_a_share_of_conversations_guesses_without_the_tool():
         assert problem.question.startswith(f"{problem.question.split()[0]} has {guess} ")
     assert all(c == p.messages for c, p in zip(conversations, problems, strict=True) if len(c) > 3)
     assert training_conversations(settings, seed=0) == conversations
+
+
+def test_a_share_of_problems_teaches_the_judges_role_with_some_verdicts_flipped():
+    """The judge's conversations are the prompt a co-trained judge gets (the trainer's own
+    rendering of a policy's messages) on a solved conversation, a guess, a miscopied call or a
+    miscopied answer, and the verdict the task's answer gives, `judge_noise` of them flipped."""
+    one_operation = ProblemSettings(max_operations=1)
+    settings = TinyModelSettings(
+        train_problems=800, judge_share=0.5, judge_noise=0.25, problems=one_operation
+    )
+    judges = judge_conversations(settings, seed=0)
+    assert 320 <= len(judges) <= 480  # about half the problems
+    problems = {p.question: p for p in generate_problems(800, seed=0, settings=one_operation)}
+    solved_prompts = {judge_prompt(p.messages, DEFAULT_JUDGE_RUBRIC) for p in problems.values()}
+    kinds, flipped = Counter(), 0
+    for prompt, verdict in judges:
+        assert prompt["role"] == "user" and verdict["role"] == "assistant"
+        assert verdict["content"] in ("Verdict: yes", "Verdict: no")
+        problem = problems[re.search(r"Problem: (.*)\n", prompt["content"])[1]]
+        answer = final_answer(prompt["content"])
+        call = re.search(
+            r'calls calculator\(\{"expression": "(.*)"\}\)\n\ntool: (\d+)', prompt["content"]
+        )
+        if prompt["content"] in solved_prompts:
+            kinds["solved"] += 1
+        elif call is None:
+            kinds["guess"] += 1
+        elif call[2] != answer:
+            kinds["miscopied_answer"] += 1
+        else:
+            assert call[1] != problem.expressions[0]
+            kinds["miscopied_call"] += 1
+        flipped += (
+            verdict["content"] != f"Verdict: {'yes' if answer == str(problem.answer) else 'no'}"
+        )
+    assert 0.18 <= flipped / len(judges) <= 0.32
+    for kind, share in JUDGED_TRANSCRIPTS.items():
+        assert abs(kinds[kind] / len(judges) - share) < 0.07, kinds
+    assert judge_conversations(settings, seed=0) == judges
+    # Without judges the conversations are the policy's alone, as before there were judges.
+    assert judge_conversations(TinyModelSettings(), seed=0) == []
+    with pytest.raises(ValidationError, match="judge_share is for the calculator task only"):
+        TinyModelSettings(task="search", judge_share=0.5)
 
 
 def test_a_null_model_path_becomes_the_configs_tiny_model(tiny_model_dir):
