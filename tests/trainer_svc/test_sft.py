@@ -189,7 +189,10 @@ async def test_an_sft_run_with_lora_trains_the_adapters_alone_and_exports_them(
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
     with torch.no_grad():
         tuned, plain = adapters(ids).logits, base(ids).logits
-        torch.testing.assert_close(merged(ids).logits, tuned, atol=1e-5, rtol=0)
+        # Merged, W + BA is rounded once in float32; through peft, Wx + B(Ax): the logits (up
+        # to about 13 here) agree to float32 rounding, relative to their size (1.1e-5 apart on
+        # one CPU), while the trained adapters moved them by up to 2.4e-2.
+        torch.testing.assert_close(merged(ids).logits, tuned, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(tuned, plain)  # the adapters were trained and exported
 
 
