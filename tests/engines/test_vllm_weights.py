@@ -19,7 +19,7 @@ import torch
 from google.protobuf import duration_pb2
 
 from rollout_svc.engines.base import SamplingParams
-from tests.engines.test_vllm_engine import paused_mid_request
+from tests.engines.test_vllm_engine import ATTEMPTS, paused_mid_request
 from tests.rollout_svc import weight_sender
 from tests.rollout_svc.test_rollout_service import generate, rollout_server, teacher_forced_logprobs
 from tests.trainer_svc.test_weight_push import DEAD_ADDRESS, connected, load, packed
@@ -133,14 +133,19 @@ async def test_a_push_during_a_generation_splits_its_tokens_by_version(
     perturbed = load(vllm_server.model_path, noise_seed=3)
     async with vllm_replica(vllm_server) as stub, connected([stub], "broadcast") as pusher:
         # Paused first: on a busy machine the request could end before the push's own pause
-        # lands. The push pauses again (a no-op), loads, and resumes the request.
-        running, _ = await paused_mid_request(vllm_engine, vllm_server.url, "long")
-        await pusher.push(packed(perturbed.state_dict(), 64 * 1024), 1)
-        output = await asyncio.wait_for(running, WAIT_SECONDS)
+        # lands. The push pauses again (a no-op), loads, and resumes the request. A request
+        # the server had not yet scheduled when paused samples every token after the push:
+        # tried again, with the next version.
+        for version in range(1, ATTEMPTS + 1):
+            running, _ = await paused_mid_request(vllm_engine, f"long-{version}")
+            await pusher.push(packed(perturbed.state_dict(), 64 * 1024), version)
+            output = await asyncio.wait_for(running, WAIT_SECONDS)
+            if output.policy_versions[0] < version:
+                break
     count = len(output.output_ids)
-    split = output.policy_versions.index(1)
+    split = output.policy_versions.index(version)
     assert 0 < split < count
-    assert output.policy_versions == [0] * split + [1] * (count - split)
+    assert output.policy_versions == [version - 1] * split + [version] * (count - split)
 
 
 async def test_a_push_drops_the_prefix_cache_the_old_weights_computed(
