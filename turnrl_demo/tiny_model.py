@@ -213,7 +213,9 @@ def _judged_transcript(
 
 def _another_number(number: int, draws: random.Random) -> int:
     """A number near `number` and not it, never negative."""
-    return abs(number + draws.choice([-1, 1]) * draws.randint(1, 9)) or number + 1
+    offset = draws.randint(1, 9)
+    below = number - offset
+    return below if below >= 0 and draws.random() < 0.5 else number + offset
 
 
 def task_tools(settings: TinyModelSettings) -> list[dict[str, Any]]:
