@@ -1,6 +1,7 @@
 """Rebuilds the tiny models that ship in `turnrl_demo/models/`: the default settings' (the
 tests' model) and the `tiny_model` of each CPU example (calculator, search, code, and the
-chained calculator task's one-operation warm start, examples/calculator/turn_credit.yaml), and
+chained calculator task's one-operation warm start, examples/calculator/turn_credit.yaml; the
+policy and judge of examples/calculator/judge.yaml), and
 removes shipped folders none names any more. Run it after a change to what a build reads (the
 settings, the tasks' data, the chat template, the builder), then commit the folders:
 
@@ -18,6 +19,7 @@ from turnrl_demo.tiny_model import SHIPPED_MODELS_DIR, build_tiny_model
 EXAMPLE_CONFIGS = [
     *(REPO_ROOT / "examples" / task / "config.yaml" for task in ("calculator", "search", "code")),
     REPO_ROOT / "examples" / "calculator" / "turn_credit.yaml",
+    REPO_ROOT / "examples" / "calculator" / "judge.yaml",
 ]
 
 

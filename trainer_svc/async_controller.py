@@ -21,6 +21,10 @@ bounds (`async_loop.max_group_attempts`, `max_unusable_share`) past which the ru
 them. Any other failure of the tasks that start and roll out groups stops the run with its
 error at once.
 
+With a co-trained judge (`trainer.judge_training`), a group's call is followed by its judges'
+call on it, and the group enters the buffer rewarded by their verdicts (dynamic sampling then
+filters on those); a step trains the verdicts on the groups it takes beside them.
+
 A checkpoint holds, beside the sync loop's state, the positions of every prompt drawn and not
 yet settled (in flight, buffered, filtered since the last step, waiting to be rolled out
 again); a resumed run rolls those out first, so no prompt is skipped or trained twice. A step
@@ -37,8 +41,9 @@ import time
 from typing import Any
 
 from trainer_svc.controller import Controller
+from trainer_svc.judge_training import judged_policy, ran_ok
 from trainer_svc.replay_buffer import Admission, Group, ReplayBuffer
-from trainer_svc.rl_step import RolloutBatch, infra_failed
+from trainer_svc.rl_step import RolloutBatch, infra_failed, trainable
 from trainer_svc.weight_push import CONTROL_TIMEOUT_SECONDS, PushResult
 from turnrl.trajectory import Trajectory
 
@@ -71,6 +76,8 @@ class AsyncController(Controller):
         self._pushed_steps = 0
         self._failure: Exception | None = None
         self._counts: collections.Counter[str] = collections.Counter()  # since the last step
+        # With trainer.judge_training: the verdicts and trajectories left out, since the last step.
+        self._judge_counts: collections.Counter[str] = collections.Counter()
         self._groups_back = 0  # groups whose call ended since the last step, usable or not
         self._generated_tokens = 0
         self._infra_failures = 0  # trajectories a tool or reward call could not run for
@@ -157,6 +164,8 @@ class AsyncController(Controller):
             group.trajectories = await self.router.generate(
                 request, timeout_seconds=self.config.rollout.timeout_seconds
             )
+            if self.config.judge_training is not None:
+                await self._judge_group(group)
         except Exception as e:
             self._fail(RuntimeError(f"prompt group {group.key}: {type(e).__name__}: {e}"), e)
         else:
@@ -165,9 +174,22 @@ class AsyncController(Controller):
         async with self._changed:
             self._changed.notify_all()
 
+    async def _judge_group(self, group: Group) -> None:
+        """Rewards `group`'s usable trajectories by their judges' verdicts (as the sync loop's
+        step does), keeping the judges with the group; the ones none of whose judges ran leave
+        it, counted."""
+        usable = [t for t in group.trajectories if trainable(t)]
+        verdicts = await self._judge(usable, f"g{group.key}.judge", training=True)
+        judged = judged_policy(usable, verdicts, self.config.judge_training)
+        self._judge_counts.update(judged.counts())
+        unusable = [t for t in group.trajectories if not trainable(t)]
+        group.trajectories, group.judges = judged.policy + unusable, verdicts
+
     def _admit(self, group: Group) -> None:
         self._infra_failures += sum(map(infra_failed, group.trajectories))
-        self._generated_tokens += sum(t.metrics["model_tokens"] for t in group.trajectories)
+        self._generated_tokens += sum(
+            t.metrics["model_tokens"] for t in group.trajectories + group.judges
+        )
         self._groups_back += 1
         admission = self.buffer.add(group)
         if admission is Admission.UNUSABLE:
@@ -251,7 +273,13 @@ class AsyncController(Controller):
             "async/buffered_groups": float(len(self.buffer)),
             **{f"async/{name}": float(self._counts[name]) for name in COUNTED},
         }
+        batch = [t for group in groups for t in group.trajectories]
+        if self.config.judge_training is not None:
+            metrics.update({name: float(n) for name, n in self._judge_counts.items()})
+            judges = [j for group in groups for j in group.judges if ran_ok(j)]
+            batch += self._judges_to_train(batch, judges, metrics)
         self._counts.clear()
+        self._judge_counts.clear()
         self._groups_back = 0
         self._generated_tokens, self._infra_failures, self._last_take = 0, 0, now
-        return [t for group in groups for t in group.trajectories], metrics
+        return batch, metrics

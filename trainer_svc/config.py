@@ -805,8 +805,8 @@ class TrainerConfig(StrictModel):
     )
     judge_training: JudgeTrainingConfig | None = Field(
         default=None,
-        description="RL, sync loop only. Co-train a judge: the policy's model also judges its "
-        "trajectories and the policy is rewarded by the verdicts; null: no judge.",
+        description="RL only (sync or async loop). Co-train a judge: the policy's model also "
+        "judges its trajectories and the policy is rewarded by the verdicts; null: no judge.",
     )
     dumps: DumpsConfig = Field(
         default_factory=DumpsConfig,
@@ -851,10 +851,10 @@ class TrainerConfig(StrictModel):
 
     @model_validator(mode="after")
     def _judge_training_fits_the_run(self) -> Self:
-        if self.judge_training is not None and (self.mode != "rl" or self.loop != "sync"):
+        if self.judge_training is not None and self.mode != "rl":
             raise ValueError(
-                f"judge_training is set but the run is mode {self.mode!r}, loop {self.loop!r}: "
-                "a judge is co-trained by the sync RL loop only (mode: rl, loop: sync)"
+                f"judge_training is set but the run is mode {self.mode!r}: a judge is "
+                "co-trained by RL runs only (mode: rl)"
             )
         return self
 

@@ -2,7 +2,7 @@
 for a training step, oldest first.
 
 A group (the `samples_per_prompt` trajectories of one prompt) enters when its Generate call
-ends. Its usable trajectories are kept (`trainable`: model tokens, not aborted, not hit by an
+ends (with a co-trained judge, once the judges' call on it ends too: its rewards are theirs). Its usable trajectories are kept (`trainable`: model tokens, not aborted, not hit by an
 infrastructure failure); a group with none left is rolled out again, and with dynamic sampling
 a group whose rewards are all equal is dropped (DAPO). A step takes the oldest groups; before
 that, groups that have grown too stale for the policy being trained leave the buffer to be
@@ -14,6 +14,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from trainer_svc.data import PromptRecord
+from trainer_svc.judge_training import ran_ok
 from trainer_svc.ledger import prompt_key
 from trainer_svc.rl_step import keep_groups_with_signal, trainable
 from turnrl.trajectory import FinishReason, Trajectory
@@ -26,6 +27,8 @@ class Group:
     position: int  # in the EpochSampler: identifies the draw, for the ledger and checkpoints
     record: PromptRecord
     trajectories: list[Trajectory] = field(default_factory=list)
+    # With trainer.judge_training: the verdicts on `trajectories`, every one that came back.
+    judges: list[Trajectory] = field(default_factory=list)
 
     @property
     def key(self) -> str:
@@ -39,6 +42,7 @@ class Group:
         """What kept the group's trajectories out of the loss, each cause with its count, e.g.
         "4 x scoring failed: reward service: ..." (the checks of rl_step.trainable)."""
         causes = Counter(map(_why_untrainable, self.trajectories))
+        causes.update(f"judge: {_why_untrainable(j)}" for j in self.judges if not ran_ok(j))
         return "; ".join(f"{n} x {cause}" for cause, n in causes.most_common()) or "no trajectory"
 
 

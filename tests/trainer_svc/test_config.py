@@ -62,6 +62,7 @@ from turnrl.errors import ConfigError
         ),
         ({"loop": "async", "mode": "sft"}, "loop: async is an RL loop"),
         ({"loop": "async", "async_loop": {"max_staleness": -1}}, "greater than or equal to 0"),
+        ({"mode": "sft", "judge_training": {}}, "a judge is co-trained by RL runs only"),
     ],
 )
 def test_settings_of_another_algorithm_are_config_errors(trainer, message):

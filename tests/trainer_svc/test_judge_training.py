@@ -1,6 +1,7 @@
 """Co-training a judge (trainer_svc/judge_training.py): the judges' prompts, the policy's
-rewards from their verdicts, what is left out, and the figures; then a run through the real
-services in which the policy's model judges its own trajectories and both roles train."""
+rewards from their verdicts, what is left out, and the figures; then runs through the real
+services, in the sync and the async loop, in which the policy's model judges its own
+trajectories and both roles train."""
 
 import json
 import math
@@ -132,9 +133,11 @@ def test_bad_judge_settings_are_refused(settings, message):
         JudgeTrainingConfig(**settings)
 
 
-async def test_a_run_trains_the_policy_and_its_judge_in_one_model(services, tmp_path):
-    name = "judge"
+@pytest.mark.parametrize("loop", ["sync", "async"])
+async def test_a_run_trains_the_policy_and_its_judge_in_one_model(services, tmp_path, loop):
+    name = f"judge-{loop}"
     judging = {
+        "loop": loop,
         "judge_training": {"samples": 2, "max_new_tokens": 16, "truth_weight": 0.5},
         "dumps": {"rollouts_per_step": 64},
     }

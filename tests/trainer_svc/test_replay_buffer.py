@@ -37,6 +37,20 @@ def group(position: int, *trajectories: Trajectory) -> Group:
     return Group(position, record, list(trajectories))
 
 
+def failed_scorings(indices: tuple[int, ...], why: str) -> list[Trajectory]:
+    """Trajectories the reward service could not score, for `why`."""
+    failed = [trajectory(index, 0.0, reward_error=True) for index in indices]
+    for one in failed:
+        one.reward.error_message = why
+    return failed
+
+
+def aborted_trajectory(index: int) -> Trajectory:
+    aborted = trajectory(index, 1.0, finish=FinishReason.ABORTED)
+    aborted.error_message = "the engine went away"
+    return aborted
+
+
 def test_a_group_keeps_its_usable_trajectories_and_waits_in_order():
     buffer = ReplayBuffer(dynamic_sampling=False)
     failed_reward = trajectory(1, 0.0, reward_error=True)
@@ -87,13 +101,19 @@ def test_the_ledger_records_steps_and_rewinds_to_a_checkpoint(tmp_path):
 
 
 def test_an_unusable_group_says_why_each_trajectory_left_the_loss():
-    failed_rewards = [trajectory(index, 0.0, reward_error=True) for index in (0, 1)]
-    for failed in failed_rewards:
-        failed.reward.error_message = "unknown data_source 'x'"
-    aborted = trajectory(2, 1.0, finish=FinishReason.ABORTED)
-    aborted.error_message = "the engine went away"
-    unusable = group(3, aborted, *failed_rewards)
+    unusable = group(3, aborted_trajectory(2), *failed_scorings((0, 1), "unknown data_source 'x'"))
     assert ReplayBuffer(dynamic_sampling=False).add(unusable) is Admission.UNUSABLE
     assert unusable.why_unusable() == (
         "2 x scoring failed: unknown data_source 'x'; 1 x aborted: the engine went away"
+    )
+
+
+def test_a_group_whose_judges_all_failed_says_so():
+    # The async loop's _judge_group: the policy trajectories none of whose judges ran left the
+    # group; the judges that failed stay with it, to say why.
+    unjudged = group(4, aborted_trajectory(2))
+    unjudged.judges = failed_scorings((0, 1), "reward service: unavailable")
+    assert ReplayBuffer(dynamic_sampling=False).add(unjudged) is Admission.UNUSABLE
+    assert unjudged.why_unusable() == (
+        "2 x judge: scoring failed: reward service: unavailable; 1 x aborted: the engine went away"
     )

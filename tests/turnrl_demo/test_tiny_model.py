@@ -216,13 +216,15 @@ def test_the_tests_and_the_examples_models_ship_and_nothing_else(tmp_path):
     configs = [
         REPO_ROOT / "examples" / task / "config.yaml" for task in ("calculator", "search", "code")
     ]
-    configs.append(REPO_ROOT / "examples" / "calculator" / "turn_credit.yaml")
+    configs += [
+        REPO_ROOT / "examples" / "calculator" / f for f in ("turn_credit.yaml", "judge.yaml")
+    ]
     examples = [load_project_config(config).tiny_model for config in configs]
     folders = {
         build_tiny_model(tmp_path, settings=settings)
         for settings in (TinyModelSettings(), *examples)
     }
-    assert len(folders) == 5
+    assert len(folders) == 6
     assert {folder.name.split("-")[1] for folder in folders} == {"calculator", "search", "code"}
     assert {folder.parent for folder in folders} == {SHIPPED_MODELS_DIR}
     assert set(SHIPPED_MODELS_DIR.iterdir()) == folders
