@@ -455,13 +455,27 @@ DEFAULT_JUDGE_RUBRIC = (
 
 class JudgeTrainingConfig(StrictModel):
     """Co-training a judge with the policy (`trainer.judge_training`;
-    trainer_svc/judge_training.py). One model in two roles, set by the prompt: each step, after
-    the policy's trajectories are scored by the task's scorer, the same model judges each of them
-    `samples` times from `rubric`; a verdict is rewarded by agreeing with the task's scorer (the
-    reward service's judge_agreement scorer), and the policy's reward becomes the judges' mean
-    verdict (plus the task's score by `truth_weight`). Both roles train in one update and get
-    every weight push. Held-out accuracy stays the task scorer's, so a policy that learns to fool
-    the judge shows as train reward rising without it."""
+    trainer_svc/judge_training.py). Each step, after the policy's trajectories are scored by the
+    task's scorer, a judge judges each of them `samples` times from `rubric`; a verdict is
+    rewarded by agreeing with the task's scorer (the reward service's judge_agreement scorer),
+    and the policy's reward becomes the judges' mean verdict (plus the task's score by
+    `truth_weight`). The judge is the policy's model in a second role, set by the prompt (both
+    roles train in one update and get every push), or, with `model_path`, a model of its own,
+    served by rollout replicas of its own (`rollout_service`), trained in an update of its own
+    with the policy's optimizer settings and no KL term, and pushed to its replicas after each
+    step. Held-out accuracy stays the task scorer's, so a policy that learns to fool the judge
+    shows as train reward rising without it."""
+
+    model_path: str | None = Field(
+        default=None,
+        description="The judge's own model (a folder or Hub id), which `rollout_service` "
+        "serves; null: the policy's model judges, in a second role.",
+    )
+    rollout_service: ClientConfig | None = Field(
+        default=None,
+        description="The rollout service (one address or its replicas') that serves "
+        "`model_path`; set with it, and only then.",
+    )
 
     samples: int = Field(
         default=4, gt=0, description="Verdicts on each policy trajectory: the judge's group."
@@ -483,6 +497,16 @@ class JudgeTrainingConfig(StrictModel):
     max_new_tokens: int = Field(
         default=0, ge=0, description="Tokens of one verdict; 0: the rollout service's limit."
     )
+
+    @model_validator(mode="after")
+    def _own_model_has_its_service(self) -> Self:
+        if (self.model_path is None) != (self.rollout_service is None):
+            raise ValueError(
+                "judge_training.model_path and judge_training.rollout_service go together: a "
+                "judge of its own is served by rollout replicas of its own (both null: the "
+                "policy's model judges)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _rubric_fits(self) -> Self:
@@ -805,8 +829,9 @@ class TrainerConfig(StrictModel):
     )
     judge_training: JudgeTrainingConfig | None = Field(
         default=None,
-        description="RL only (sync or async loop). Co-train a judge: the policy's model also "
-        "judges its trajectories and the policy is rewarded by the verdicts; null: no judge.",
+        description="RL only (sync or async loop). Co-train a judge: the policy's model, or "
+        "one of its own, judges the policy's trajectories and the policy is rewarded by the "
+        "verdicts; null: no judge.",
     )
     dumps: DumpsConfig = Field(
         default_factory=DumpsConfig,
@@ -856,7 +881,19 @@ class TrainerConfig(StrictModel):
                 f"judge_training is set but the run is mode {self.mode!r}: a judge is "
                 "co-trained by RL runs only (mode: rl)"
             )
+        if self.judge_model_path is not None and self.algorithm.trains_critic:
+            raise ValueError(
+                f"judge_training.model_path is set with advantage_estimator "
+                f"{self.algorithm.advantage_estimator!r}: a judge of its own has no critic; "
+                "use a group estimator (grpo, rloo, ...) or let the policy's model judge"
+            )
         return self
+
+    @property
+    def judge_model_path(self) -> str | None:
+        """A co-trained judge's own model; None without a judge or when the policy's model
+        judges."""
+        return self.judge_training.model_path if self.judge_training is not None else None
 
     @model_validator(mode="after")
     def _sft_data_exists(self) -> Self:

@@ -21,10 +21,12 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import torch
+from transformers import AutoTokenizer
 
 from trainer_svc.data import EpochSampler, PromptRecord, load_datasets
 from trainer_svc.dumps import (
@@ -46,11 +48,12 @@ from trainer_svc.judge_training import (
     ran_ok,
 )
 from trainer_svc.ledger import PromptLedger, prompt_key
-from trainer_svc.ranks import checkpoint_state, gather_weights, pushed_adapter
+from trainer_svc.ranks import checkpoint_state
 from trainer_svc.report import REWARD_PLOT
 from trainer_svc.rl_step import (
     RolloutBatch,
     infra_failed,
+    judge_update,
     keep_groups_with_signal,
     mini_batches,
     rl_models,
@@ -60,20 +63,14 @@ from trainer_svc.rl_step import (
     staleness_metrics,
     trainable,
 )
-from trainer_svc.rollout_router import (
-    REPLICA_LOST_STATUSES,
-    RolloutReplica,
-    RolloutRouter,
-    engine_metrics,
-)
-from trainer_svc.run_loop import FINAL_MODEL, ProgressEvent, RunLoop
-from trainer_svc.weight_push import PushResult, WeightPusher
-from turnrl import errors
+from trainer_svc.rollout_router import RolloutRouter, engine_metrics
+from trainer_svc.run_loop import FINAL_MODEL, ProgressEvent, RunLoop, pad_token_id
+from trainer_svc.served_model import ServedModel
+from trainer_svc.weight_push import PushResult
 from turnrl.trajectory import Trajectory
 from turnrl.v1 import common_pb2, rollout_pb2
 
 logger = logging.getLogger(__name__)
-MIB = 1024 * 1024
 
 
 class Controller(RunLoop):
@@ -103,26 +100,42 @@ class Controller(RunLoop):
         self.ledger.rewind(self.step)
         await self._open_report(state is not None, REWARD_PLOT)
         await self._open_hub_repo()
-        self.router = RolloutRouter(config.rollout_service, self._catch_up)
-        # A push and a catch-up both read the last push's weights, which a push rewrites.
-        self._push_lock = asyncio.Lock()
-        self.pusher: WeightPusher | None = None
-        # The members of the pusher's group, as (address, losses) of each.
-        self._push_members: list[tuple[str, int]] = []
-        self._pusher_groups = 0  # weight-sync groups formed in this run
-        self._policy_version = 0  # the last weight version pushed
-        self._base_version: int | None = None  # of the base weights pushed adapters apply to
+        groups = f"turnrl-{self.run_dir.name}"  # the weight-sync groups' names
+        self.served_policy = ServedModel(
+            "policy", self.ranks, config.rollout_service, config.weight_sync, groups, config.lora
+        )
+        # A co-trained judge of its own (judge_training.model_path), on replicas of its own.
+        self.served_judge: ServedModel | None = None
+        if config.judge_model_path is not None:
+            self.served_judge = ServedModel(
+                "judge", self.ranks, config.judge_training.rollout_service, config.weight_sync,
+                f"{groups}-judge",
+            )  # fmt: skip
+            judge_tokenizer = await asyncio.to_thread(
+                AutoTokenizer.from_pretrained, config.judge_model_path
+            )
+            self.judge_pad_token_id = pad_token_id(judge_tokenizer)
         self.dumps = DumpWriter(tokenizer)
         try:
             await self._push()
             self.emit(ProgressEvent(self.step, "setup", message=f"model {model_path}"))
             await self._train_to_end()
         finally:
-            if self.pusher is not None:
-                self.pusher.close()
-            await self.router.close()
+            await self.served_policy.close()
+            if self.served_judge is not None:
+                await self.served_judge.close()
             await asyncio.to_thread(self.dumps.close)
         return await self._finish(model_path, started)
+
+    @property
+    def router(self) -> RolloutRouter:
+        """The policy's rollout replicas' router."""
+        return self.served_policy.router
+
+    @property
+    def _policy_version(self) -> int:
+        """The last weight version of the policy pushed."""
+        return self.served_policy.version
 
     def _resume_from(self, state: dict[str, Any]) -> None:
         """Continues the loop's own state from a checkpoint (the models, the step and the data
@@ -132,13 +145,18 @@ class Controller(RunLoop):
     async def _train_step(self) -> None:
         self.step += 1
         trajectories, metrics = await self._rollout()
-        rollouts = rollout_batch(trajectories, self.pad_token_id, self._policy_version)
         policy = [t for t in trajectories if not is_judge(t)]  # a co-trained judge's: judge/*
+        # The verdicts train with the policy's model, unless the judge is a model of its own.
+        own_judge = [t for t in trajectories if is_judge(t)] if self.served_judge else []
+        trained = policy if self.served_judge else trajectories
+        rollouts = rollout_batch(trained, self.pad_token_id, self._policy_version)
         metrics.update({f"rollout/{k}": v for k, v in rollout_metrics(policy).items()})
-        metrics.update(staleness_metrics(trajectories, self._policy_version))
+        metrics.update(staleness_metrics(trained, self._policy_version))
         self.emit(ProgressEvent(self.step, "rollout", metrics))
 
         await self._train(rollouts, metrics)
+        if own_judge:
+            await self._train_judge(own_judge, metrics)
         started = time.monotonic()
         self._dump_rollouts(rollouts)
         metrics["time/dumps"] = time.monotonic() - started  # the hand-off; the writing is off-loop
@@ -163,6 +181,24 @@ class Controller(RunLoop):
     async def _train(self, rollouts: RolloutBatch, metrics: dict[str, float]) -> None:
         """The update of one step on `rollouts` (on every rank); adds its metrics to `metrics`."""
         started = time.monotonic()
+        metrics.update(await self._update(rl_update, rollouts))
+        metrics["time/train"] = time.monotonic() - started
+        tokens = int(rollouts.batch.attention_mask.sum()) * self.config.algorithm.ppo_epochs
+        metrics["train/tokens_per_s"] = tokens / metrics["time/train"]
+        self.emit(ProgressEvent(self.step, "train", metrics))
+
+    async def _train_judge(self, judges: list[Trajectory], metrics: dict[str, float]) -> None:
+        """The update of a judge of its own on its verdicts `judges` (on every rank), after
+        the policy's; adds its metrics (judge_train/..., judge_mismatch/...) to `metrics`."""
+        started = time.monotonic()
+        rollouts = rollout_batch(judges, self.judge_pad_token_id, self.served_judge.version)
+        metrics.update(await self._update(judge_update, rollouts))
+        metrics["time/judge_train"] = time.monotonic() - started
+
+    async def _update(self, update: Callable[..., dict[str, float]], rollouts: RolloutBatch):
+        """`update(models, tensors, config, step, rows)` on every rank (`rl_update` or
+        `judge_update`): the PPO epochs' mini-batches of `rollouts`' rows, in the run's
+        seeded order; its metrics."""
         algorithm = self.config.algorithm
         rows = [
             mini
@@ -171,11 +207,7 @@ class Controller(RunLoop):
         ]
         # The trajectories stay here: the ranks need the tensors only.
         tensors = replace(rollouts, trajectories=[])
-        metrics.update(await self.ranks.run(rl_update, tensors, self.config, self.step, rows))
-        metrics["time/train"] = time.monotonic() - started
-        tokens = int(rollouts.batch.attention_mask.sum()) * self.config.algorithm.ppo_epochs
-        metrics["train/tokens_per_s"] = tokens / metrics["time/train"]
-        self.emit(ProgressEvent(self.step, "train", metrics))
+        return await self.ranks.run(update, tensors, self.config, self.step, rows)
 
     def _dump_rollouts(self, rollouts: RolloutBatch) -> None:
         """Hands the trained step's sample of trajectories (`trainer.dumps`) to the writer: after
@@ -278,7 +310,8 @@ class Controller(RunLoop):
             enable_scoring=True,
             request_id=f"{self.run_dir.name}/{self._calls}/{tag}",
         )
-        judges = await self.router.generate(
+        served = self.served_judge or self.served_policy
+        judges = await served.router.generate(
             request, timeout_seconds=self.config.rollout.timeout_seconds
         )
         return sorted(judges, key=lambda t: t.trajectory_id)
@@ -345,78 +378,12 @@ class Controller(RunLoop):
         return self.config.seed * 1_000_003 + self.step + (0 if training else 500_009)
 
     async def _push(self) -> PushResult:
-        """Sends the policy's weights as the next version no replica has seen, to every live
-        replica and each lost one that is back (the weight-sync group is formed again when
-        they changed). A replica lost during the push is left out and the push made again
-        to the others."""
-        async with self._push_lock:
-            return await self._push_to_members()
-
-    async def _push_to_members(self) -> PushResult:
-        bucket_size_bytes = self.config.weight_sync.bucket_size_mb * MIB
-        adapter = pushed_adapter(self.config.lora, self.ranks.models.policy)
-        weights = await self.ranks.run(gather_weights, bucket_size_bytes, adapter is not None)
-        while True:
-            members = await self.router.members_for_push()
-            if self.pusher is None or _membership(members) != self._push_members:
-                await self._connect_pusher(members)
-            stats = await self.router.stats()
-            if adapter is not None:
-                check_loads_adapters(stats)
-            versions = [self._policy_version, *(s.policy_version for s in stats)]
-            self._policy_version = max(versions) + 1
-            try:
-                if adapter is not None and self._lacks_base(stats):
-                    await self.pusher.push(self.ranks.models.base_weights, self._policy_version)
-                    self._base_version = self._policy_version
-                    self._policy_version += 1
-                return await self.pusher.push(weights, self._policy_version, adapter=adapter)
-            except errors.RpcError as e:
-                if e.status not in REPLICA_LOST_STATUSES or not self.router.lose(e.address, e):
-                    raise
-
-    def _lacks_base(self, stats: list[rollout_pb2.GetStatsResponse]) -> bool:
-        """Whether a replica of `stats` may apply pushed adapters to other base weights than
-        this run's: none were pushed yet in this run (an engine keeps the last run's full
-        weights, and one restarted loads its own model), or it took none since."""
-        return self._base_version is None or any(
-            s.policy_version < self._base_version for s in stats
-        )
-
-    async def _catch_up(self, replica: RolloutReplica) -> None:
-        """Brings a rollout replica that came back (its launcher restarted it) the policy the
-        others serve, the last push's weights and version (with pushed adapters, the base
-        weights first when it lacks them), as a gRPC stream; it joins the weight-sync group
-        at the next push."""
-        async with self._push_lock:
-            stats = await replica.stub.GetStats(rollout_pb2.GetStatsRequest(), timeout=30)
-            if stats.policy_version == self._policy_version:
-                return  # it never lost them
-            adapter = pushed_adapter(self.config.lora, self.ranks.models.policy)
-            if adapter is not None:
-                check_loads_adapters([stats])
-            pusher = await WeightPusher.connect([replica.stub], mode="grpc")
-            if adapter is not None and self._lacks_base([stats]):
-                # Any version between its own and the adapters' will do.
-                await pusher.push(self.ranks.models.base_weights, stats.policy_version + 1)
-            await pusher.push(self.ranks.models.push_weights, self._policy_version, adapter=adapter)
-
-    async def _connect_pusher(self, members: list[RolloutReplica]) -> None:
-        """Forms the weight-sync group with `members` (each time under a new name: the
-        replicas leave the last group by joining the next)."""
-        if self.pusher is not None:
-            self.pusher.close()
-        self._pusher_groups += 1
-        sync = self.config.weight_sync
-        self.pusher = await WeightPusher.connect(
-            [member.stub for member in members],
-            backend=sync.backend,
-            master_address=sync.master_address,
-            group_name=f"turnrl-{self.run_dir.name}-{self._pusher_groups}",
-            timeout_seconds=sync.timeout_seconds,
-            mode=sync.mode,
-        )
-        self._push_members = _membership(members)
+        """Pushes the policy's weights to its replicas, and a judge of its own's to its
+        replicas; the policy's push's figures."""
+        pushed = await self.served_policy.push()
+        if self.served_judge is not None:
+            await self.served_judge.push()
+        return pushed
 
     async def _evaluate(self) -> None:
         if not self.held_out:
@@ -497,22 +464,3 @@ class Controller(RunLoop):
             "wall_seconds": round(wall_seconds, 1),
             "final_model": str(self.run_dir / FINAL_MODEL),
         }
-
-
-def _membership(members: list[RolloutReplica]) -> list[tuple[str, int]]:
-    """Who is in a weight-sync group: a replica lost since the group formed is a new process,
-    not a member, even back at its address."""
-    return [(member.address, member.losses) for member in members]
-
-
-def check_loads_adapters(stats: list[rollout_pb2.GetStatsResponse]) -> None:
-    """Raises FailedPreconditionError, before anything is pushed, when a rollout replica's
-    engine does not load the LoRA adapters that `trainer.lora.push: adapter` sends it."""
-    refusing = sorted({reply.engine for reply in stats if not reply.loads_lora_adapters})
-    if refusing:
-        raise errors.FailedPreconditionError(
-            f"trainer.lora.push is 'adapter', but the rollout engine {', '.join(refusing)} does "
-            "not load LoRA adapters (GetStats loads_lora_adapters is false); set "
-            "trainer.lora.push: merged to push whole weights, or start the engine with LoRA "
-            "enabled (rollout engine_options.lora for sglang and vllm)"
-        )

@@ -12,8 +12,8 @@ from trainer_svc.controller import Controller
 from trainer_svc.data import load_datasets
 from trainer_svc.dumps import DumpWriter
 from trainer_svc.report import REWARD_PLOT
-from trainer_svc.rollout_router import RolloutRouter
 from trainer_svc.run_loop import ProgressEvent
+from trainer_svc.served_model import ServedModel
 from turnrl.errors import ConfigError
 
 
@@ -35,16 +35,17 @@ class EvalRun(Controller):
             )
         _, tokenizer = await self._model_and_tokenizer()
         await self._open_report(False, REWARD_PLOT)
-        # The rollout service serves the model it loaded, as weight version 0: a replica that
-        # comes back has it again (`_catch_up` finds nothing to send).
-        self._policy_version = 0
-        self.router = RolloutRouter(config.rollout_service, self._catch_up)
+        # The rollout service serves the model it loaded, as weight version 0, which nothing
+        # pushes: a replica that comes back has it again (its catch-up finds nothing to send).
+        self.served_policy = ServedModel(
+            "policy", self.ranks, config.rollout_service, config.weight_sync, "unused"
+        )
         self.dumps = DumpWriter(tokenizer)
         try:
             self.emit(ProgressEvent(0, "setup", message=f"evaluating {config.model_path}"))
             await self._evaluate()
         finally:
-            await self.router.close()
+            await self.served_policy.close()
             await asyncio.to_thread(self.dumps.close)
         summary = await asyncio.to_thread(
             self.report.finish, self._summary(time.monotonic() - started)

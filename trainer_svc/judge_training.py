@@ -1,12 +1,15 @@
-"""Co-training a judge with the policy (`trainer.judge_training`): one model in two roles.
+"""Co-training a judge with the policy (`trainer.judge_training`): one model in two roles, or
+a judge that is a model of its own (`judge_training.model_path`).
 
-Each step the policy's trajectories come back scored by the task's scorer. The same model then
+Each step the policy's trajectories come back scored by the task's scorer. The judge then
 judges each of them, `samples` times, from the rubric (`judge_records`): a judge's prompt names
 the problem and the policy's turns, its ground truth is whether the policy was right by the task
 (`accurate`), and the reward service's judge_agreement scorer rewards a verdict that agrees.
 The policy's reward becomes the judges' mean verdict, mixed with the task's by `truth_weight`
-(`judged_policy`). Each judge group is a GRPO group of its own; the step trains the policy's
-groups and their judges' together, and every push carries both roles.
+(`judged_policy`). Each judge group is a GRPO group of its own. One model in two roles trains
+the policy's groups and their judges' together, and every push carries both roles; a judge of
+its own trains on its groups in an update of its own and is pushed to its own rollout replicas
+(trainer_svc/controller.py).
 
 A judge whose call failed (the reward service, an aborted generation) gives no verdict and is
 left out; a policy trajectory none of whose judges could run has no reward and is left out of

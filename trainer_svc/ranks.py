@@ -36,9 +36,9 @@ import threading
 from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Concatenate, NoReturn, ParamSpec, TypeVar
+from typing import Any, Concatenate, Literal, NoReturn, ParamSpec, TypeVar
 
 import torch.distributed as dist
 
@@ -61,8 +61,14 @@ ALL_DONE = "all done"
 LEAVE_BEHIND_SECONDS = 10.0
 # A LoRA run's exported model with its adapters merged in, inside the exported adapter folder.
 MERGED_MODEL = "merged"
+# A co-trained judge's own model, inside the exported model's folder.
+JUDGE_MODEL = "judge"
 P = ParamSpec("P")
 T = TypeVar("T")
+
+
+# The models a run pushes to rollout replicas: its policy, and a co-trained judge of its own.
+Role = Literal["policy", "judge"]
 
 
 @dataclass
@@ -72,10 +78,19 @@ class Models:
     policy: FsdpPolicy
     reference: FsdpPolicy | None = None  # the frozen policy of a KL term
     critic: FsdpCritic | None = None  # PPO's value model (advantage_estimator gae or turn_gae)
-    # The last push's weights, laid out for a push (rank 0): the next gather reuses the memory.
-    push_weights: BucketedWeights | None = None
+    # A co-trained judge that is a model of its own (trainer.judge_training.model_path).
+    judge: FsdpPolicy | None = None
+    # Each role's last push's weights, laid out for a push (rank 0): the next gather reuses
+    # their memory.
+    push_weights: dict[str, BucketedWeights | None] = field(default_factory=dict)
     # With pushed LoRA adapters, the frozen base weights they apply to (rank 0), gathered once.
     base_weights: BucketedWeights | None = None
+
+    def trained(self, role: Role) -> FsdpPolicy:
+        """The model that plays `role`."""
+        model = self.judge if role == "judge" else self.policy
+        assert model is not None, f"the run has no {role} model of its own"
+        return model
 
 
 class RankFailedError(RuntimeError):
@@ -296,9 +311,17 @@ def restore(models: Models, run_dir: Path) -> dict[str, Any] | None:
             f"the checkpoint of step {state['step']} in {run_dir} holds no critic (its run did "
             "not use advantage_estimator gae or turn_gae); resume with the run's own algorithm"
         )
+    if models.judge is not None and "judge" not in state:
+        raise ConfigError(
+            f"the checkpoint of step {state['step']} in {run_dir} holds no judge model (its "
+            "run had none of its own: trainer.judge_training.model_path); resume with the "
+            "run's own judge_training"
+        )
     models.policy.load_checkpoint_state(state["policy"])
     if models.critic is not None:
         models.critic.load_checkpoint_state(state["critic"])
+    if models.judge is not None:
+        models.judge.load_checkpoint_state(state["judge"])
     return state
 
 
@@ -307,28 +330,28 @@ def checkpoint_state(models: Models) -> dict[str, Any]:
     state = {"policy": models.policy.state_dict_for_checkpoint()}
     if models.critic is not None:
         state["critic"] = models.critic.state_dict_for_checkpoint()
+    if models.judge is not None:
+        state["judge"] = models.judge.state_dict_for_checkpoint()
     return state
 
 
 def gather_weights(
-    models: Models, bucket_size_bytes: int, adapters: bool
+    models: Models, role: Role, bucket_size_bytes: int, adapters: bool
 ) -> BucketedWeights | None:
-    """What a push of the policy carries, laid out for it (rank 0; None on the others): its
-    LoRA adapters alone with `adapters` (`pushed_adapter`; the first call gathers the base
-    weights they apply to as well, into `models.base_weights`), else its full weights (the
-    adapters merged in, under LoRA) in the last push's memory."""
+    """What a push of the model playing `role` carries, laid out for it (rank 0; None on the
+    others): the policy's LoRA adapters alone with `adapters` (`pushed_adapter`; the first call
+    gathers the base weights they apply to as well, into `models.base_weights`), else the
+    model's full weights (the adapters merged in, under LoRA) in its last push's memory."""
+    model, last = models.trained(role), models.push_weights.get(role)
     if adapters:
         if models.base_weights is None:
-            models.base_weights = models.policy.full_weights(
-                bucket_size_bytes, adapters_merged=False
-            )
-        state = models.policy.adapter_state_dict()
-        models.push_weights = (
-            BucketedWeights.pack(state.items(), bucket_size_bytes) if state else None
-        )
+            models.base_weights = model.full_weights(bucket_size_bytes, adapters_merged=False)
+        state = model.adapter_state_dict()
+        pushed = BucketedWeights.pack(state.items(), bucket_size_bytes) if state else None
     else:
-        models.push_weights = models.policy.full_weights(bucket_size_bytes, models.push_weights)
-    return models.push_weights
+        pushed = model.full_weights(bucket_size_bytes, last)
+    models.push_weights[role] = pushed
+    return pushed
 
 
 def pushed_adapter(lora: LoraSettings | None, policy: FsdpPolicy) -> LoraAdapter | None:
@@ -340,10 +363,16 @@ def pushed_adapter(lora: LoraSettings | None, policy: FsdpPolicy) -> LoraAdapter
     return LoraAdapter(lora.rank, lora.alpha, tuple(policy.adapter_target_modules))
 
 
-def save_pretrained(models: Models, folder: Path, tokenizer_dir: str) -> None:
+def save_pretrained(
+    models: Models, folder: Path, tokenizer_dir: str, judge_tokenizer_dir: str | None = None
+) -> None:
     """The policy in Hugging Face format, written by rank 0: with LoRA its adapters in peft's
-    format, and with `trainer.lora.export_merged` the merged model in folder/merged too."""
+    format, and with `trainer.lora.export_merged` the merged model in folder/merged too; a
+    judge of its own in folder/judge, with its tokenizer from `judge_tokenizer_dir`."""
     policy = models.policy
     policy.save_pretrained(folder, tokenizer_dir)
     if policy.lora is not None and policy.lora.export_merged:
         policy.save_merged(folder / MERGED_MODEL, tokenizer_dir)
+    if models.judge is not None:
+        assert judge_tokenizer_dir is not None, "a judge model is saved with its tokenizer"
+        models.judge.save_pretrained(folder / JUDGE_MODEL, judge_tokenizer_dir)

@@ -323,6 +323,9 @@ def rl_models(config: TrainerConfig, model_path: str) -> Models:
     if algorithm.trains_critic:
         critic_optim = config.critic.optim.for_run(config.steps * updates_per_step)
         models.critic = FsdpCritic(config.critic.model_path or model_path, critic_optim)
+    if config.judge_model_path is not None:
+        # Every weight trained, with or without trainer.lora (which is the policy's).
+        models.judge = FsdpPolicy(config.judge_model_path, optim)
     return models
 
 
@@ -370,6 +373,23 @@ def rl_update(
             sums[name] = sums.get(name, 0.0) + value
     metrics.update({name: value / len(mini_batch_rows) for name, value in sums.items()})
     return metrics
+
+
+def judge_update(
+    models: Models,
+    rollouts: RolloutBatch,
+    config: TrainerConfig,
+    step: int,
+    mini_batch_rows: list[list[int]],
+) -> dict[str, float]:
+    """One step's update of a co-trained judge of its own (`models.judge`) on its verdicts,
+    as `rl_update` trains the policy, without a KL term (the judge has no reference model);
+    its metrics under judge_train/ (train/loss is judge_train/loss)."""
+    algorithm = config.algorithm.model_copy(update={"kl_coef": 0.0})
+    settings = config.model_copy(update={"algorithm": algorithm})
+    judge = Models(policy=models.trained("judge"))
+    metrics = rl_update(judge, rollouts, settings, step, mini_batch_rows)
+    return {f"judge_{name}": value for name, value in metrics.items()}
 
 
 def _critic_fit_metrics(values: Tensor, returns: Tensor, loss_mask: Tensor) -> dict[str, float]:

@@ -108,7 +108,7 @@ class RunLoop(abc.ABC):
         model_path = self.config.model_path
         assert model_path is not None, "StartRun refuses a run without a model"
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_path)
-        self.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
+        self.pad_token_id = pad_token_id(tokenizer)
         return model_path, tokenizer
 
     async def _restore_checkpoint(self) -> dict[str, Any] | None:
@@ -164,7 +164,9 @@ class RunLoop(abc.ABC):
         if self.publisher is not None and not last and self.publisher.ready_for(self.step):
             # The export is this step's (the model trains on); its upload runs in the background.
             folder = tempfile.mkdtemp(prefix=f".upload-step_{self.step:06d}-", dir=self.run_dir)
-            await self.ranks.run(save_pretrained, Path(folder), self.config.model_path)
+            await self.ranks.run(
+                save_pretrained, Path(folder), self.config.model_path, self.config.judge_model_path
+            )
             self.publisher.start_step_upload(self.step, Path(folder))
 
     async def _save_checkpoint(self, tensors: dict[str, Any], loop_state: dict[str, Any]) -> None:
@@ -181,14 +183,15 @@ class RunLoop(abc.ABC):
 
     async def _finish(self, model_path: str, started: float) -> dict[str, Any]:
         """Ends the run: a checkpoint of its last step, the policy in Hugging Face format in
-        final_model/ (`ranks.save_pretrained`) and, with push_to_hub, its upload, then
+        final_model/ (`ranks.save_pretrained`; a co-trained judge's own model in
+        final_model/judge) and, with push_to_hub, its upload, then
         curves.png and summary.json, which also counts the parameters trained (with LoRA, the
         adapters') and says where the upload went; returns the summary. Raises HubUploadError,
         after writing summary.json, when the final upload failed."""
         if self._checkpointed_step != self.step:
             await self._checkpoint()
         export = self.run_dir / FINAL_MODEL
-        await self.ranks.run(save_pretrained, export, model_path)
+        await self.ranks.run(save_pretrained, export, model_path, self.config.judge_model_path)
         summary = self._summary(time.monotonic() - started)
         trained = self.ranks.models.policy.trainable_parameters
         summary["trainable_parameters"] = sum(parameter.numel() for parameter in trained)
@@ -207,3 +210,8 @@ class RunLoop(abc.ABC):
             message += f"; uploaded to {hub['commit_url']}"
         self.emit(ProgressEvent(self.step, "done", message=message))
         return summary
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The id a batch pads a model's rows with: its tokenizer's pad token, else its EOS."""
+    return tokenizer.pad_token_id or tokenizer.eos_token_id

@@ -9,12 +9,14 @@ import torch
 
 from trainer_svc.async_controller import AsyncController
 from trainer_svc.checkpoint import load_latest_checkpoint
-from trainer_svc.config import DataConfig, TrainerConfig
+from trainer_svc.config import DataConfig, TrainerConfig, WeightSyncConfig
 from trainer_svc.data import EpochSampler, PromptRecord, load_datasets
 from trainer_svc.ledger import PromptLedger, prompt_key
 from trainer_svc.ranks import Ranks
 from trainer_svc.replay_buffer import Group
 from trainer_svc.rl_step import rl_models
+from trainer_svc.served_model import ServedModel
+from turnrl.config import ClientConfig
 from turnrl.trajectory import FinishReason, Segment, SegmentSource, Trajectory
 from turnrl.v1 import common_pb2
 
@@ -53,7 +55,9 @@ async def test_a_prompt_group_whose_request_cannot_be_built_stops_the_run_naming
     # Loading refuses such a row (test_data.py); one that slips past fails the group's task.
     bad = PromptRecord("p0", [{"role": "developer", "content": "hi"}], "openai/gsm8k", "1")
     controller = async_controller(tmp_path, [bad])
-    controller._policy_version = 0
+    controller.served_policy = ServedModel(
+        "policy", controller.ranks, ClientConfig(address="127.0.0.1:1"), WeightSyncConfig(), "-"
+    )  # never called: the group fails before its Generate call
     try:
         async with asyncio.timeout(30):  # it waited for the group forever
             with pytest.raises(RuntimeError, match=r"prompt group 0:p0.*unknown role 'developer'"):

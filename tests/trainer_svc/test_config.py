@@ -63,6 +63,13 @@ from turnrl.errors import ConfigError
         ({"loop": "async", "mode": "sft"}, "loop: async is an RL loop"),
         ({"loop": "async", "async_loop": {"max_staleness": -1}}, "greater than or equal to 0"),
         ({"mode": "sft", "judge_training": {}}, "a judge is co-trained by RL runs only"),
+        (
+            {
+                "algorithm": {"advantage_estimator": "gae"},
+                "judge_training": {"model_path": "j", "rollout_service": {"address": "h:1"}},
+            },
+            "a judge of its own has no critic",
+        ),
     ],
 )
 def test_settings_of_another_algorithm_are_config_errors(trainer, message):

@@ -7,9 +7,14 @@ import json
 import math
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
+from tests.conftest import serve_subprocess
 from tests.trainer_svc.runs import read_dump, run_config, run_to_end
 from tests.trainer_svc.test_rl_step import TWO_TURNS, trajectory
+from tests.trainer_svc.test_rollout_router import rollout_settings
+from trainer_svc.checkpoint import load_latest_checkpoint
 from trainer_svc.config import JudgeTrainingConfig
 from trainer_svc.judge_training import (
     JUDGE_DATA_SOURCE,
@@ -19,10 +24,15 @@ from trainer_svc.judge_training import (
     judge_records,
     judged_policy,
 )
+from turnrl import rpc
+from turnrl.config import REPO_ROOT, ClientConfig
 from turnrl.messages import openai_tool_call
 from turnrl.trajectory import Trajectory
-from turnrl.v1 import common_pb2
+from turnrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from turnrl_cli.project_config import load_project_config
+from turnrl_demo.tiny_model import build_tiny_model
 
+JUDGE_EXAMPLE = REPO_ROOT / "examples" / "calculator" / "judge.yaml"
 CONVERSATION = [
     {"role": "system", "content": "You can call a calculator."},
     {"role": "user", "content": "What is 6 times 7?"},
@@ -126,6 +136,7 @@ def test_judges_the_system_failed_are_left_out_and_a_policy_left_unjudged_with_t
         ({"rubric": "{transcript} {reference}"}, "placeholders ['reference', 'transcript']"),
         ({"rubric": "{transcript"}, "judge_training.rubric is not a valid template"),
         ({"truth_weight": 1.5}, "less than or equal to 1"),
+        ({"model_path": "judge"}, "model_path and judge_training.rollout_service go together"),
     ],
 )
 def test_bad_judge_settings_are_refused(settings, message):
@@ -180,3 +191,69 @@ def check_step_dump(dumped: list[dict], samples: int) -> None:
         assert record["messages"][1]["role"] == "assistant"
         assert record["reward"] == float(record["reward_extras"]["acc"])
     assert len(judges) <= samples * len(policy)
+
+
+async def test_a_judge_of_its_own_trains_and_is_pushed_apart_from_the_policy(
+    tiny_model_dir, tmp_path
+):
+    # The policy is the tests' tiny model, the judge examples/calculator/judge.yaml's (which
+    # learned the judge's role: its verdicts differ, so its groups teach), each served by a
+    # rollout service of its own; the judge trains on its verdicts only.
+    name = "own-judge"
+    judge_dir = build_tiny_model(settings=load_project_config(JUDGE_EXAMPLE).tiny_model)
+    async with (
+        rollout_settings(tiny_model_dir) as settings,
+        serve_subprocess("rollout", *settings) as policy_rollout,
+        serve_subprocess("rollout", *settings, f"rollout.model_path={judge_dir}") as judge_rollout,
+        serve_subprocess(
+            "trainer", f"trainer.model_path={tiny_model_dir}", f"trainer.runs_root={tmp_path}"
+        ) as trainer,
+    ):
+        judging = {
+            "model_path": str(judge_dir),
+            "rollout_service": {"address": judge_rollout.address},
+            "samples": 4,
+            "max_new_tokens": 16,
+            "truth_weight": 0.5,
+        }
+        config = run_config(
+            {"rollout": policy_rollout.address}, tmp_path, run_name=name, loggers=[],
+            judge_training=judging, dumps={"rollouts_per_step": 64},
+        )  # fmt: skip
+        await run_to_end(trainer.address, config, name)
+        policy_stats, judge_stats = [
+            await rollout_stats(served.address) for served in (policy_rollout, judge_rollout)
+        ]
+    run_dir = tmp_path / name
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in logged if "train/loss" in r]
+    assert len(train) == 2
+    for record in train:
+        assert math.isfinite(record["judge_train/loss"])
+        assert record["judge_mismatch/mean_abs_diff"] < 1e-5  # the judge's replica's logprobs
+        assert 0.0 <= record["judge/agreement"] <= 1.0
+    # The policy's step trained its trajectories alone; the verdicts came from the judge's
+    # replica, which took the judge's pushes: the start's and one a step.
+    dumped = read_dump(run_dir / "rollouts" / "step_000001.jsonl")
+    assert dumped and JUDGE_DATA_SOURCE not in {r["data_source"] for r in dumped}
+    assert judge_stats.policy_version == policy_stats.policy_version == 3
+    assert judge_stats.finished_trajectories > policy_stats.finished_trajectories
+    state = load_latest_checkpoint(run_dir)
+    assert state["step"] == 2 and "judge" in state
+    exported = run_dir / "final_model"
+    weights = {
+        label: torch.cat([p.detach().flatten() for p in model.parameters()])
+        for label, model in (
+            ("start", AutoModelForCausalLM.from_pretrained(judge_dir)),
+            ("policy", AutoModelForCausalLM.from_pretrained(exported)),
+            ("judge", AutoModelForCausalLM.from_pretrained(exported / "judge")),
+        )
+    }
+    assert not torch.equal(weights["judge"], weights["start"])  # it trained
+    assert weights["judge"].shape != weights["policy"].shape  # a model of its own
+
+
+async def rollout_stats(address: str) -> rollout_pb2.GetStatsResponse:
+    async with rpc.open_channel(ClientConfig(address=address)) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        return await stub.GetStats(rollout_pb2.GetStatsRequest(), timeout=10)

@@ -25,8 +25,8 @@ from tests.trainer_svc.test_weight_push import (
 )
 from tests.trainer_svc.test_weight_push_sglang import sglang_replica
 from trainer_svc.config import LoraSettings
-from trainer_svc.controller import check_loads_adapters
 from trainer_svc.ranks import Models, gather_weights, pushed_adapter
+from trainer_svc.served_model import check_loads_adapters
 from turnrl.errors import FailedPreconditionError
 from turnrl.v1 import common_pb2, rollout_pb2
 from turnrl.weights import LoraAdapter
@@ -109,7 +109,7 @@ def test_gather_weights_packs_the_adapters_alone_and_the_base_once(tiny_model_di
     assert pushed_adapter(lora.model_copy(update={"push": "merged"}), policy) is None
     assert pushed_adapter(None, policy) is None
     models = Models(policy)
-    weights = gather_weights(models, BUCKET_SIZE_BYTES, adapters=True)
+    weights = gather_weights(models, "policy", BUCKET_SIZE_BYTES, adapters=True)
     adapters = policy.adapter_state_dict()
     assert [name for name, _ in weights.named_tensors()] == list(adapters)
     assert all(torch.equal(t, adapters[name]) for name, t in weights.named_tensors())
@@ -120,7 +120,7 @@ def test_gather_weights_packs_the_adapters_alone_and_the_base_once(tiny_model_di
     assert pushed_base.keys() == base.keys() - {"lm_head.weight"}
     assert all(torch.equal(t, base[name]) for name, t in pushed_base.items())
     first_base = models.base_weights
-    gather_weights(models, BUCKET_SIZE_BYTES, adapters=True)
+    gather_weights(models, "policy", BUCKET_SIZE_BYTES, adapters=True)
     assert models.base_weights is first_base  # frozen: gathered once
 
 
