@@ -43,6 +43,7 @@ from trainer_svc.judge_training import (
     is_judge,
     judge_metrics,
     judge_records,
+    judge_update,
     judged_policy,
     judges_by_policy,
     ran_ok,
@@ -53,7 +54,6 @@ from trainer_svc.report import REWARD_PLOT
 from trainer_svc.rl_step import (
     RolloutBatch,
     infra_failed,
-    judge_update,
     keep_groups_with_signal,
     mini_batches,
     rl_models,

@@ -21,9 +21,10 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from trainer_svc.config import JudgeTrainingConfig
+from trainer_svc.config import JudgeTrainingConfig, TrainerConfig
 from trainer_svc.data import PromptRecord
-from trainer_svc.rl_step import accurate, infra_failed
+from trainer_svc.ranks import Models
+from trainer_svc.rl_step import RolloutBatch, accurate, infra_failed, rl_update
 from turnrl.trajectory import Trajectory
 
 # The reward service's scorer of verdicts (reward_svc/scorers/judge_agreement.py).
@@ -169,3 +170,20 @@ def verdict(judge: Trajectory) -> float:
 
 def verdict_missing(judge: Trajectory) -> bool:
     return "verdict" not in judge.reward.extras.fields
+
+
+def judge_update(
+    models: Models,
+    rollouts: RolloutBatch,
+    config: TrainerConfig,
+    step: int,
+    mini_batch_rows: list[list[int]],
+) -> dict[str, float]:
+    """One step's update of a co-trained judge of its own (`models.judge`) on its verdicts,
+    as `rl_update` trains the policy, without a KL term (the judge has no reference model);
+    its metrics under judge_train/ (train/loss is judge_train/loss)."""
+    algorithm = config.algorithm.model_copy(update={"kl_coef": 0.0})
+    settings = config.model_copy(update={"algorithm": algorithm})
+    judge = Models(policy=models.trained("judge"))
+    metrics = rl_update(judge, rollouts, settings, step, mini_batch_rows)
+    return {f"judge_{name}": value for name, value in metrics.items()}

@@ -82,7 +82,7 @@ class Models:
     judge: FsdpPolicy | None = None
     # Each role's last push's weights, laid out for a push (rank 0): the next gather reuses
     # their memory.
-    push_weights: dict[str, BucketedWeights | None] = field(default_factory=dict)
+    push_weights: dict[Role, BucketedWeights | None] = field(default_factory=dict)
     # With pushed LoRA adapters, the frozen base weights they apply to (rank 0), gathered once.
     base_weights: BucketedWeights | None = None
 

@@ -375,23 +375,6 @@ def rl_update(
     return metrics
 
 
-def judge_update(
-    models: Models,
-    rollouts: RolloutBatch,
-    config: TrainerConfig,
-    step: int,
-    mini_batch_rows: list[list[int]],
-) -> dict[str, float]:
-    """One step's update of a co-trained judge of its own (`models.judge`) on its verdicts,
-    as `rl_update` trains the policy, without a KL term (the judge has no reference model);
-    its metrics under judge_train/ (train/loss is judge_train/loss)."""
-    algorithm = config.algorithm.model_copy(update={"kl_coef": 0.0})
-    settings = config.model_copy(update={"algorithm": algorithm})
-    judge = Models(policy=models.trained("judge"))
-    metrics = rl_update(judge, rollouts, settings, step, mini_batch_rows)
-    return {f"judge_{name}": value for name, value in metrics.items()}
-
-
 def _critic_fit_metrics(values: Tensor, returns: Tensor, loss_mask: Tensor) -> dict[str, float]:
     """How well the critic's values, before this step's update, predict this step's returns:
     their means over model tokens and the explained variance (left out when the returns do not

@@ -19,6 +19,7 @@ from trainer_svc.weight_push import PushResult, WeightPusher
 from turnrl import errors
 from turnrl.config import ClientConfig
 from turnrl.v1 import rollout_pb2
+from turnrl.weights import LoraAdapter
 
 MIB = 1024 * 1024
 
@@ -87,7 +88,7 @@ class ServedModel:
                 if e.status not in REPLICA_LOST_STATUSES or not self.router.lose(e.address, e):
                     raise
 
-    def _adapter(self):
+    def _adapter(self) -> LoraAdapter | None:
         """The LoRA adapter a push carries alone, or None for whole weights."""
         if self.role != "policy":
             return None  # only the policy trains adapters
