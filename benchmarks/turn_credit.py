@@ -1,5 +1,5 @@
-"""Turn-level credit against outcome-only credit, on a task where RL must find a behaviour the
-warm start never shows: chaining calculator calls.
+"""Turn-level credit against outcome-only credit, on a task where RL must make the rule a
+behaviour the warm start rarely shows: chaining calculator calls.
 
 The task: word problems of 2-3 operations on a running count (`turnrl.calculator_data`,
 `one_call_per_operation`), scored by the reward service's `calc_chain` scorer
@@ -9,12 +9,13 @@ a call (`max_operations: 1`), so a chain cannot be folded into one expression su
 `(12 + 7) * 3`: a solution needs a call per operation, each on the previous result.
 
 The task's config is examples/calculator/turn_credit.yaml (the demo's services and batch). Its
-warm start is the tests' tiny model fine-tuned by the trainer's SFT on one-operation problems
-only, always with the tool: one call, then `#### <the call's result>`, wrong on every chained
-problem; it has never seen a second call. `--warm-start tests` starts from the tests' tiny
-model instead, which has seen two-call conversations (its first call folds all operations but
-the last, which this calculator refuses for three): the estimators with a signal to assign,
-not the discovery.
+warm start is the demo's tiny model (4 layers) fine-tuned on the chained problems, nine
+conversations in ten cut short after their first call and answering that call's result
+(`calls_shown: 1`, `calls_shown_share: 0.9`): it starts every chain right, and goes on with
+it in one conversation in ten. The first call's turn earns a turn reward on every problem, the
+outcome only where the chain was followed to its end. `--warm-start tests` starts from the
+tests' tiny model instead, which has seen two-call conversations whose first call folds all
+operations but the last (which this calculator refuses for three).
 
 Starts the four services once (`turnrl up`, the hf engine, one torch thread a service as in
 async_vs_sync.py), then runs on the trainer service, one after another, from the same warm
@@ -30,7 +31,7 @@ trains on). Reported per run: held-out accuracy per evaluation, the steps to rea
 calculator calls) of the held-out generations and of each step's training samples, and the
 mean share of the chain reached.
 
-    .venv/bin/python benchmarks/turn_credit.py [--steps 16] [--prompts 8] [--samples 8]  # ~6 min
+    .venv/bin/python benchmarks/turn_credit.py [--steps 16] [--prompts 8] [--samples 8]  # ~4 min
 
 The last line printed is one JSON object with the headline figures.
 """
@@ -85,6 +86,7 @@ def project_config(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         project["tiny_model"] = {}  # TinyModelSettings' defaults: the tests' model
     trainer = project["trainer"]
     trainer.update(
+        seed=args.seed,
         steps=args.steps,
         eval_every=args.eval_every,
         checkpoint_every=0,
@@ -161,15 +163,18 @@ async def main() -> None:
         "--target", type=float, default=0.25, help="held-out accuracy steps_to_target counts to"
     )
     parser.add_argument(
+        "--seed", type=int, default=0, help="the runs' trainer.seed: data order and sampling"
+    )
+    parser.add_argument(
         "--threads", type=int, default=1, help="torch threads per service (async_vs_sync.py)"
     )
     parser.add_argument(
         "--warm-start",
-        choices=["one-call", "tests"],
-        default="one-call",
-        help="one-call: the task's warm start, which has never made a second call; tests: the "
-        "tests' tiny model, fine-tuned on 1-3 operation problems with up to two calls (it has "
-        "seen a second call: the estimators with a signal, not the discovery)",
+        choices=["task", "tests"],
+        default="task",
+        help="task: the task's warm start, which mostly stops after the chain's first call; "
+        "tests: the tests' tiny model, fine-tuned on 1-3 operation problems with up to two "
+        "calls, the first folding all operations but the last",
     )
     parser.add_argument(
         "--variants", nargs="+", choices=list(VARIANTS), default=["outcome", "turn"]
@@ -197,7 +202,10 @@ async def main() -> None:
     for name, result in results.items():
         for key in ("accuracy_start", "accuracy_end", "steps_to_target"):
             headline[f"{key}_{name}"] = result[key]
-        headline[f"multi_call_rate_end_{name}"] = result["eval_multi_call_rate"][-1]
+        for key in ("eval_multi_call_rate", "eval_chain_share"):
+            figure = key.removeprefix("eval_")
+            headline[f"{figure}_start_{name}"] = result[key][0]
+            headline[f"{figure}_end_{name}"] = result[key][-1]
         headline[f"train_multi_call_rate_last_{name}"] = result["train_multi_call_rate"][-1]
     print(json.dumps(headline))
 

@@ -1,9 +1,10 @@
 """Rebuilds the tiny models that ship in `turnrl_demo/models/`: the default settings' (the
-tests' model) and the `tiny_model` of each CPU example (calculator, search, code, and the
-chained calculator task's one-operation warm start, examples/calculator/turn_credit.yaml; the
-policy and judge of examples/calculator/judge.yaml), and
-removes shipped folders none names any more. Run it after a change to what a build reads (the
-settings, the tasks' data, the chat template, the builder), then commit the folders:
+tests' model) and the `tiny_model` of each CPU example (calculator, search, code, the chained
+calculator task's warm start that mostly stops after a first call,
+examples/calculator/turn_credit.yaml, and the policy and judge of
+examples/calculator/judge.yaml), and removes shipped folders none names any more. Run it after
+a change to what a build reads (the settings, the tasks' data, the chat template, the builder),
+then commit the folders:
 
     .venv/bin/python scripts/ship_tiny_models.py
 """

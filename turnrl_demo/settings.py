@@ -70,6 +70,22 @@ class TinyModelSettings(StrictModel):
         "name; code: the problem's first number; both always wrong): a warm start that uses "
         "the tool only some of the time, for RL to teach it to use the tool every time.",
     )
+    calls_shown: int = Field(
+        default=0,
+        ge=0,
+        description="calculator only: 0, each solved conversation makes every call its problem "
+        "takes; n, calls_shown_share of them stop after their n-th call and answer with that "
+        "call's result (wrong when the problem takes more calls): with "
+        "problems.one_call_per_operation, a warm start that starts every chain right and "
+        "rarely shows its rest, for RL to find.",
+    )
+    calls_shown_share: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="with calls_shown: the share of the solved conversations cut short after "
+        "that many calls; the others make every call.",
+    )
     judge_share: float = Field(
         default=0.0,
         ge=0.0,
@@ -115,9 +131,10 @@ class TinyModelSettings(StrictModel):
         return {**TINY_MODEL_OPTIM, **value} if isinstance(value, dict) else value
 
     @model_validator(mode="after")
-    def _judges_only_for_the_calculator(self) -> Self:
-        if self.judge_share and self.task != "calculator":
-            raise ValueError(f"judge_share is for the calculator task only, not {self.task!r}")
+    def _calculator_settings_only_for_the_calculator(self) -> Self:
+        for name in ("judge_share", "calls_shown"):
+            if getattr(self, name) and self.task != "calculator":
+                raise ValueError(f"{name} is for the calculator task only, not {self.task!r}")
         return self
 
     @model_validator(mode="after")

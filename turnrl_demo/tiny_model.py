@@ -154,10 +154,27 @@ def training_conversations(settings: TinyModelSettings, seed: int) -> list[list[
         if settings.task == "calculator"
         else code_problems.generate_problems(count, seed=seed, split="train")
     )
+    # A stream of its own, so that the guesses of the models built before calls_shown stay.
+    cut_short = random.Random(f"cut short:{seed}")
     return [
-        problem.guess_messages if guesses.random() < settings.guess_share else problem.messages
+        problem.guess_messages
+        if guesses.random() < settings.guess_share
+        else _shown_calls(problem.messages, settings.calls_shown)
+        if cut_short.random() < settings.calls_shown_share
+        else problem.messages
         for problem in problems
     ]
+
+
+def _shown_calls(messages: list[dict[str, Any]], calls_shown: int) -> list[dict[str, Any]]:
+    """`messages` up to the result of its `calls_shown`-th call, then an answer with that
+    result; all of `messages` when it makes no more calls, or `calls_shown` is 0."""
+    results = [i for i, message in enumerate(messages) if message["role"] == "tool"]
+    if not calls_shown or len(results) <= calls_shown:
+        return messages
+    last = results[calls_shown - 1]
+    answer = {"role": "assistant", "content": f"#### {messages[last]['content']}"}
+    return [*messages[: last + 1], answer]
 
 
 def judge_conversations(settings: TinyModelSettings, seed: int) -> list[list[dict[str, Any]]]:
@@ -272,12 +289,15 @@ def _described_settings(settings: TinyModelSettings) -> dict[str, Any]:
     groups only (an SFT batch has none), so it is left out, and the shipped folders keep their
     names. The task names the folder and decides the conversations: left out too, so the
     calculator models keep the names they shipped under before there were tasks; and so are
-    the judge's settings while there is no judge, for the models shipped before it."""
+    the judge's settings while there is no judge, and calls_shown (with its share) while it is 0, for the models
+    shipped before them."""
     described = settings.model_dump(
         mode="json", exclude={"task": True, "optim": {"shared_prefix_forward"}}
     )
     if not settings.judge_share:
         del described["judge_share"], described["judge_noise"]
+    if not settings.calls_shown:
+        del described["calls_shown"], described["calls_shown_share"]
     return described
 
 

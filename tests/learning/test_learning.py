@@ -4,10 +4,14 @@ configured steps through the four services, must end within 0.05 of the held-out
 README states for it; the demo with LoRA (examples/calculator/lora.yaml) must gain at least
 0.3 of held-out accuracy, every step within 1e-5 of the engine's logprobs; the demo with a
 co-trained judge (examples/calculator/judge.yaml) must end within 0.05 of the held-out
-accuracy README states, by the task's answers, while its judge agrees with them more. Left out
-of `make test` (marked `learning`); `.ci/run` runs it after."""
+accuracy README states, by the task's answers, while its judge agrees with them more; turn-level
+credit on the chained calculator task (benchmarks/turn_credit.py) must make the chain its warm
+start rarely shows the rule on the held-out problems. Left out of `make test` (marked
+`learning`); `.ci/run` runs it after."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -34,6 +38,11 @@ JUDGED_FINAL_ACCURACY = 0.930
 JUDGED_WORDS = "held-out accuracy 0.000 to 0.930 in 10 steps, rewarded by its judge alone"
 JUDGE_AGREEMENT_WORDS = "agreement with the task's answers 0.771 to 0.877"
 JUDGE_AGREEMENT_GAIN = 0.05
+# benchmarks/turn_credit.py (issue 34): the steps of turn-level credit after which at least
+# CHAINED_SHARE of the held-out problems get two or more calls (from none), and README's words.
+TURN_CREDIT_STEPS = 24
+CHAINED_SHARE = 0.9
+TURN_CREDIT_WORDS = "held-out multi-call rate 0.000 to 1.000 in 16 steps"
 
 
 @pytest.mark.parametrize("task", sorted(STATED_FINAL_ACCURACY))
@@ -42,8 +51,8 @@ def test_readme_states_the_figure_checked_here(task):
     assert " ".join(words.split()) in " ".join(README.split())
 
 
-def test_readme_states_the_judged_figures_checked_here():
-    for words in (JUDGED_WORDS, JUDGE_AGREEMENT_WORDS):
+def test_readme_states_the_judged_and_turn_credit_figures_checked_here():
+    for words in (JUDGED_WORDS, JUDGE_AGREEMENT_WORDS, TURN_CREDIT_WORDS):
         assert words in " ".join(README.split())
 
 
@@ -102,3 +111,18 @@ async def test_a_policy_rewarded_by_its_co_trained_judge_learns_and_the_judge_ag
     first, last = judged[0], judged[-1]
     assert last["judge/agreement"] >= first["judge/agreement"] + JUDGE_AGREEMENT_GAIN, judged
     assert all(step["judge/infra_failed_verdicts"] == 0 for step in judged), judged
+
+
+@pytest.mark.learning
+@pytest.mark.timeout(900)
+def test_turn_level_credit_makes_the_chain_the_warm_start_rarely_shows_the_rule(tmp_path):
+    command = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "turn_credit.py"), "--variants", "turn",
+        "--steps", str(TURN_CREDIT_STEPS), "--eval-every", str(TURN_CREDIT_STEPS),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=840)
+    assert done.returncode == 0, done.stderr[-3000:]
+    headline = json.loads(done.stdout.strip().splitlines()[-1])
+    assert headline["multi_call_rate_start_turn"] <= 0.05, headline
+    assert headline["multi_call_rate_end_turn"] >= CHAINED_SHARE, headline
+    assert headline["chain_share_end_turn"] > headline["chain_share_start_turn"], headline

@@ -1,6 +1,7 @@
 """Checkpoint files: tensors in state.pt, loaded with torch.load(weights_only=True), the rest as
 JSON in state.json; a checkpoint planted in a run folder that would run code when unpickled is
-refused, and the code never runs."""
+refused, and the code never runs; a run resumes only from a checkpoint that holds each of its
+models."""
 
 import os
 import pickle
@@ -10,7 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.trainer_svc.fsdp_worker import SETTINGS, fixed_batch, token_mean_loss
 from trainer_svc.checkpoint import load_latest_checkpoint, save_checkpoint
+from trainer_svc.critic import FsdpCritic
+from trainer_svc.fsdp import FsdpPolicy
+from trainer_svc.ranks import Models, checkpoint_state, restore
 from turnrl.errors import ConfigError
 
 
@@ -56,3 +61,25 @@ def test_a_planted_checkpoint_that_would_run_a_command_is_refused(tmp_path, writ
     with pytest.raises(ConfigError, match=r"step_000001/state\.pt.*not a turnrl checkpoint"):
         load_latest_checkpoint(tmp_path / "run")
     assert not marker.exists()
+
+
+def test_a_run_with_a_critic_or_a_judge_of_its_own_resumes_only_from_a_checkpoint_with_it(
+    model_dir, tmp_path
+):
+    policy, judge = FsdpPolicy(model_dir, SETTINGS), FsdpPolicy(model_dir, SETTINGS)
+    save_checkpoint(tmp_path / "policy", 3, checkpoint_state(Models(policy)), {})
+    with pytest.raises(ConfigError, match=r"step 3 in .* holds no judge model"):
+        restore(Models(policy, judge=judge), tmp_path / "policy")
+    with pytest.raises(ConfigError, match=r"step 3 in .* holds no critic"):
+        restore(Models(policy, critic=FsdpCritic(model_dir, SETTINGS)), tmp_path / "policy")
+    assert restore(Models(policy), tmp_path / "policy")["step"] == 3
+
+    judge.train_step(fixed_batch(), token_mean_loss)
+    save_checkpoint(tmp_path / "both", 4, checkpoint_state(Models(policy, judge=judge)), {})
+    resumed = Models(FsdpPolicy(model_dir, SETTINGS), judge=FsdpPolicy(model_dir, SETTINGS))
+    assert restore(resumed, tmp_path / "both")["step"] == 4
+    trained, untrained = judge.full_state_dict(), policy.full_state_dict()
+    judged, resumed_policy = resumed.judge.full_state_dict(), resumed.policy.full_state_dict()
+    assert all(torch.equal(judged[name], tensor) for name, tensor in trained.items())
+    assert all(torch.equal(resumed_policy[name], tensor) for name, tensor in untrained.items())
+    assert not all(torch.equal(untrained[name], tensor) for name, tensor in trained.items())

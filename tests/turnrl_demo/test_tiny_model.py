@@ -282,6 +282,30 @@ def test_a_share_of_conversations_guesses_without_the_tool():
     assert training_conversations(settings, seed=0) == conversations
 
 
+def test_chained_conversations_shown_in_part_stop_after_their_first_call():
+    chains = ProblemSettings(min_operations=2, max_operations=3, one_call_per_operation=True)
+    settings = TinyModelSettings(train_problems=50, calls_shown=1, problems=chains)
+    conversations = training_conversations(settings, seed=0)
+    problems = generate_problems(50, seed=0, settings=chains)
+    right = 0
+    for conversation, problem in zip(conversations, problems, strict=True):
+        *start, call, result, answer = conversation
+        assert start == problem.prompt_messages and len(problem.messages) > len(conversation)
+        assert call == problem.messages[len(start)] and result["role"] == "tool"
+        assert answer == {"role": "assistant", "content": f"#### {result['content']}"}
+        right += final_answer(answer["content"]) == str(problem.answer)
+    assert right <= 5  # by chance only (a count of 0 times anything): the chain goes on
+    whole = training_conversations(settings.model_copy(update={"calls_shown": 0}), seed=0)
+    assert whole == [problem.messages for problem in problems]
+    half = training_conversations(settings.model_copy(update={"calls_shown_share": 0.5}), seed=0)
+    cut = [len(one) < len(problem.messages) for one, problem in zip(half, problems, strict=True)]
+    assert 15 <= sum(cut) <= 35
+    for one, whole_one, short in zip(half, whole, conversations, strict=True):
+        assert one in (whole_one, short)
+    with pytest.raises(ValidationError, match="calls_shown is for the calculator task only"):
+        TinyModelSettings(task="code", calls_shown=1)
+
+
 def test_a_share_of_problems_teaches_the_judges_role_with_some_verdicts_flipped():
     """The judge's conversations are the prompt a co-trained judge gets (the trainer's own
     rendering of a policy's messages) on a solved conversation, a guess, a miscopied call or a
