@@ -156,14 +156,17 @@ def training_conversations(settings: TinyModelSettings, seed: int) -> list[list[
     )
     # A stream of its own, so that the guesses of the models built before calls_shown stay.
     cut_short = random.Random(f"cut short:{seed}")
-    return [
-        problem.guess_messages
-        if guesses.random() < settings.guess_share
-        else _shown_calls(problem.messages, settings.calls_shown)
-        if cut_short.random() < settings.calls_shown_share
-        else problem.messages
-        for problem in problems
-    ]
+
+    def conversation(
+        problem: calculator_data.CalculatorProblem | code_problems.CodeProblem,
+    ) -> list[dict[str, Any]]:
+        if guesses.random() < settings.guess_share:
+            return problem.guess_messages
+        if cut_short.random() < settings.calls_shown_share:
+            return _shown_calls(problem.messages, settings.calls_shown)
+        return problem.messages
+
+    return [conversation(problem) for problem in problems]
 
 
 def _shown_calls(messages: list[dict[str, Any]], calls_shown: int) -> list[dict[str, Any]]:
@@ -289,8 +292,8 @@ def _described_settings(settings: TinyModelSettings) -> dict[str, Any]:
     groups only (an SFT batch has none), so it is left out, and the shipped folders keep their
     names. The task names the folder and decides the conversations: left out too, so the
     calculator models keep the names they shipped under before there were tasks; and so are
-    the judge's settings while there is no judge, and calls_shown (with its share) while it is 0, for the models
-    shipped before them."""
+    the judge's settings while there is no judge, and calls_shown (with its share) while it is
+    0, for the models shipped before them."""
     described = settings.model_dump(
         mode="json", exclude={"task": True, "optim": {"shared_prefix_forward"}}
     )
