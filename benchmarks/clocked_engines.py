@@ -4,9 +4,9 @@ rollout), so that both modes run through the same RolloutService."""
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from rollout_svc.engines.base import Engine, GenerateOutput, SamplingParams
+from rollout_svc.engines.base import Engine, EngineImage, GenerateOutput, SamplingParams
 
 
 class ClockedEngine:
@@ -25,6 +25,7 @@ class ClockedEngine:
         request_id: str,
         session_id: str = "",
         *,
+        images: Sequence[EngineImage] = (),
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerateOutput:
         if not self._in_flight:
@@ -32,7 +33,7 @@ class ClockedEngine:
         self._in_flight += 1
         try:
             return await self._engine.generate(
-                input_ids, sampling, request_id, session_id, on_tokens=on_tokens
+                input_ids, sampling, request_id, session_id, images=images, on_tokens=on_tokens
             )
         finally:
             self._in_flight -= 1
@@ -92,11 +93,12 @@ class BatchLevelEngine(ClockedEngine):
         request_id: str,
         session_id: str = "",
         *,
+        images: Sequence[EngineImage] = (),
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerateOutput:
         await self._lockstep.wait()
         output = await super().generate(
-            input_ids, sampling, request_id, session_id, on_tokens=on_tokens
+            input_ids, sampling, request_id, session_id, images=images, on_tokens=on_tokens
         )
         await self._lockstep.wait()
         return output

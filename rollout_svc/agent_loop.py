@@ -8,7 +8,8 @@ task, so a slow tool call holds up only its own trajectory.
 Each run builds its `Trajectory` (turnrl/trajectory.py) turn by turn: the segments and the
 conversation's messages live there and nowhere else. Token ids come from the engine as they are
 and are never re-tokenized; only new non-model messages are tokenized, by `ConversationTokens`
-(the chat template's difference rule). A malformed call, an unknown tool, a tool timeout or a
+(the chat template's difference rule), a prompt's or a tool result's images among them
+(`TrajectoryImages`: processed, placed, and sent with every model turn). A malformed call, an unknown tool, a tool timeout or a
 dead tool service becomes a tool message the model reads, never a lost trajectory. Whose fault
 each failure is follows turnrl/failures.py: a call the system failed (the tool service down or
 overloaded, the caller's deadline spent in its queue, a tool that could not start) is also
@@ -40,9 +41,11 @@ from rollout_svc.engines.base import FinishReason as EngineFinish
 from rollout_svc.interactions.base import Interaction
 from rollout_svc.parsers import ParsedTurn
 from rollout_svc.tool_client import ToolClient
+from rollout_svc.trajectory_images import TrajectoryImages
+from rollout_svc.trajectory_tools import TrajectoryTools
 from turnrl.chat_tokens import ConversationTokens
-from turnrl.errors import RpcError
-from turnrl.failures import MODEL_TOOL_ERROR_KINDS, tool_rpc_error_is_models
+from turnrl.errors import InvalidArgumentError, RpcError
+from turnrl.images import ImageSettings, LoadedImage, load_message_images
 from turnrl.messages import dict_to_message
 from turnrl.replicas import ReplicaSet
 from turnrl.trajectory import (
@@ -56,7 +59,8 @@ from turnrl.trajectory import (
     appended_segments,
     model_segments,
 )
-from turnrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, tool_pb2
+from turnrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from turnrl.vision import VisionProcessor
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +86,7 @@ class PromptSpec:
     ground_truth: Any = None
     extra_info: dict[str, Any] = field(default_factory=dict)
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    images: list[LoadedImage] = field(default_factory=list)  # of `messages`, in order
 
 
 @dataclass(frozen=True)
@@ -102,17 +107,6 @@ class RolloutLimits:
             self.max_model_len - length,
             self.max_response_length - response_length,
         )
-
-
-@dataclass(frozen=True)
-class ToolCallOutcome:
-    """How one tool call went: the observation text, whether it failed, whether it failed
-    because the tool service could not run it (not the model's doing), its step reward."""
-
-    text: str
-    failed: bool = False
-    infra_failed: bool = False
-    step_reward: float | None = None
 
 
 def turn_seed(seed: int | None, trajectory_id: str, turn: int) -> int | None:
@@ -137,9 +131,25 @@ class AgentLoop:
     interactions: dict[str, Interaction]
     tool_call_timeout_seconds: float
     reward_timeout_seconds: float
+    # A vision-language model's image processor (None: a text-only model), and the limits on
+    # the images of prompts and tool results.
+    vision: VisionProcessor | None = None
+    image_settings: ImageSettings = field(default_factory=ImageSettings)
     # Generate calls being aborted, and the engine requests running per call.
     aborted: set[str] = field(default_factory=set)
     engine_requests: dict[str, set[str]] = field(default_factory=dict)
+
+    def with_images(self, prompt: PromptSpec, where: str) -> PromptSpec:
+        """`prompt` with its messages' images loaded and checked (their bytes inlined in the
+        messages). Raises InvalidArgumentError, naming the image, for one that fails its
+        check, and for images given to a text-only model."""
+        messages, images = load_message_images(prompt.messages, self.image_settings, where)
+        if images and self.vision is None:
+            raise InvalidArgumentError(
+                f"{where} hold {len(images)} images, but the model is text-only: images need a "
+                "vision-language model"
+            )
+        return dataclasses.replace(prompt, messages=messages, images=images)
 
     async def abort(self, request_id: str) -> None:
         """Ends the trajectories of one Generate call: their running engine requests stop
@@ -269,15 +279,23 @@ class _Run:
             tools or None,
             prompt.chat_template_kwargs or None,
             stop_token_ids=[loop.tokenizer.eos_token_id, *turn_end_ids],
+            vision=loop.vision,
         )
-        # A call to any other tool is the model's error: it was shown only these.
-        self.offered_tools = [tool["function"]["name"] for tool in tools]
-        self.tool_sessions: dict[str, str] = {}
+        self.images = TrajectoryImages(loop.vision, loop.image_settings)
+        self.trajectory.images = self.images.records
+        self.tools = TrajectoryTools(
+            loop.tool_client, loop.tool_call_timeout_seconds, tools, prompt.tools_kwargs
+        )
         self.interaction_state: Any = None
         self.tool_infra_errors = 0  # calls the tool service could not run
 
     async def start(self) -> None:
-        prompt_ids = await asyncio.to_thread(self.tokens.prompt_ids, self.trajectory.messages)
+        images = self.prompt.images
+        processed = await asyncio.to_thread(self.images.process, images)
+        prompt_ids = await asyncio.to_thread(
+            self.tokens.prompt_ids, self.trajectory.messages, processed
+        )
+        self.images.place(0, prompt_ids, images, processed)
         self.trajectory.segments.append(Segment(SegmentSource.PROMPT, prompt_ids))
         if self.prompt.interaction_name:
             interaction = self.loop.interactions.get(self.prompt.interaction_name)
@@ -302,8 +320,9 @@ class _Run:
             # tool calls are made.
             if self.trajectory.finish_reason is not None or self._aborted():
                 return
+            new_images: list[LoadedImage] = []
             if parsed.tool_calls or parsed.errors:
-                new_messages = await self._call_tools(parsed, metrics)
+                new_messages, new_images = await self._call_tools(parsed, metrics)
                 source = SegmentSource.TOOL
             else:
                 reply = await self._interaction_reply()
@@ -311,7 +330,7 @@ class _Run:
                     return
                 new_messages = [{"role": "user", "content": reply}]
                 source = SegmentSource.USER
-            if not await self._append(new_messages, source):
+            if not await self._append(new_messages, source, new_images):
                 return
         self.finish(FinishReason.MAX_TURNS)
 
@@ -349,6 +368,7 @@ class _Run:
                 ),
                 request_id=engine_request_id,
                 session_id=trajectory.trajectory_id,
+                images=self.images.engine_images,
             )
         finally:
             running.discard(engine_request_id)
@@ -398,17 +418,24 @@ class _Run:
             return FinishReason.MAX_RESPONSE_LENGTH
         return FinishReason.MAX_NEW_TOKENS
 
-    async def _call_tools(self, parsed: ParsedTurn, metrics: TurnMetrics) -> list[dict[str, Any]]:
+    async def _call_tools(
+        self, parsed: ParsedTurn, metrics: TurnMetrics
+    ) -> tuple[list[dict[str, Any]], list[LoadedImage]]:
+        """The tool results' messages, each call's in order, and their images."""
         started = time.monotonic()
         results = await asyncio.gather(
-            *(self._call_tool(call.name, call.arguments) for call in parsed.tool_calls)
+            *(self.tools.call(call.name, call.arguments) for call in parsed.tool_calls)
         )
         metrics.tool_latency_seconds = time.monotonic() - started
         metrics.tool_calls = len(parsed.tool_calls) + len(parsed.errors)
-        messages = []
+        messages, images = [], []
         turn = len(self.trajectory.turns) - 1
         for call, outcome in zip(parsed.tool_calls, results, strict=True):
-            metrics.tool_errors += outcome.failed
+            content, loaded, bad_image = self.images.tool_content(
+                outcome.text, outcome.images, call.name
+            )
+            images += loaded
+            metrics.tool_errors += outcome.failed or bad_image
             self.tool_infra_errors += outcome.infra_failed
             if outcome.step_reward is not None:
                 reward = TurnReward(turn, outcome.step_reward, TurnRewardSource.TOOL, call.name)
@@ -416,7 +443,7 @@ class _Run:
             messages.append(
                 {
                     "role": "tool",
-                    "content": outcome.text,
+                    "content": content,
                     "tool_call_id": call.id,
                     "name": call.name,
                 }
@@ -424,44 +451,7 @@ class _Run:
         for error in parsed.errors:
             metrics.tool_errors += 1
             messages.append({"role": "tool", "content": f"Error: {error}"})
-        return messages
-
-    async def _call_tool(self, name: str, arguments: str) -> ToolCallOutcome:
-        if name not in self.offered_tools:
-            offered = ", ".join(self.offered_tools) or "none"
-            return ToolCallOutcome(f"Error: no tool {name!r} here; tools: {offered}", failed=True)
-        try:
-            session_id = await self._tool_session(name)
-            reply = await self.loop.tool_client.execute(
-                tool_pb2.ExecuteRequest(tool_name=name, arguments=arguments, session_id=session_id),
-                timeout_seconds=self.loop.tool_call_timeout_seconds,
-            )
-        except RpcError as e:
-            text = f"Error: the tool service could not run {name!r}: {e.status}: {e.details}"
-            rpc = e.method.rpartition("/")[2]  # CreateSession or Execute
-            return ToolCallOutcome(text, True, not tool_rpc_error_is_models(rpc, e.status))
-        result = reply.result
-        failed = result.HasField("error")
-        return ToolCallOutcome(
-            result.text,
-            failed,
-            failed and result.error.kind not in MODEL_TOOL_ERROR_KINDS,
-            result.step_reward if result.HasField("step_reward") else None,
-        )
-
-    async def _tool_session(self, name: str) -> str:
-        """The session of a tool that has per-trajectory kwargs; "" for the others."""
-        if name in self.tool_sessions or name not in self.prompt.tools_kwargs:
-            return self.tool_sessions.get(name, "")
-        kwargs = self.prompt.tools_kwargs[name]
-        kwargs = kwargs.get("create_kwargs", kwargs) if isinstance(kwargs, dict) else {}
-        request = tool_pb2.CreateSessionRequest(tool_name=name)
-        request.session_kwargs.update(kwargs)
-        reply = await self.loop.tool_client.create_session(
-            request, timeout_seconds=self.loop.tool_call_timeout_seconds
-        )
-        self.tool_sessions[name] = reply.session_id
-        return reply.session_id
+        return messages, images
 
     async def _interaction_reply(self) -> str | None:
         """The simulated user's next turn, or None when the conversation is over."""
@@ -481,17 +471,26 @@ class _Run:
             return None
         return reply.text
 
-    async def _append(self, messages: list[dict[str, Any]], source: SegmentSource) -> bool:
-        """Appends non-model messages and the next generation prompt; False when that would
-        pass a length limit (the trajectory then ends without them)."""
+    async def _append(
+        self,
+        messages: list[dict[str, Any]],
+        source: SegmentSource,
+        images: list[LoadedImage] | None = None,
+    ) -> bool:
+        """Appends non-model messages (with their `images`, in order) and the next generation
+        prompt; False when that would pass a length limit (the trajectory then ends without
+        them)."""
         trajectory = self.trajectory
-        new_ids = await asyncio.to_thread(self.tokens.append_messages, messages)
+        images = images or []
+        processed = await asyncio.to_thread(self.images.process, images)
+        new_ids = await asyncio.to_thread(self.tokens.append_messages, messages, processed)
         if len(trajectory.token_ids) + len(new_ids) >= self.limits.max_model_len:
             self.finish(FinishReason.MAX_MODEL_LEN)
             return False
         if trajectory.response_length + len(new_ids) >= self.limits.max_response_length:
             self.finish(FinishReason.MAX_RESPONSE_LENGTH)
             return False
+        self.images.place(len(trajectory.token_ids), new_ids, images, processed)
         trajectory.messages.extend(messages)
         trajectory.segments += appended_segments(source, new_ids, self.tokens.generation_prompt_ids)
         return True
@@ -503,14 +502,7 @@ class _Run:
 
     async def release(self) -> None:
         """Releases the tool sessions, the interaction state and the engine's session cache."""
-        for session_id in self.tool_sessions.values():
-            try:
-                await self.loop.tool_client.release_session(
-                    tool_pb2.ReleaseSessionRequest(session_id=session_id),
-                    timeout_seconds=self.loop.tool_call_timeout_seconds,
-                )
-            except RpcError as e:
-                log.warning("releasing tool session %s failed: %s", session_id, e)
+        await self.tools.release()
         if self.interaction_state is not None:
             await self.loop.interactions[self.prompt.interaction_name].finish(
                 self.interaction_state
@@ -529,6 +521,8 @@ class _Run:
             "tool_calls": float(sum(t.tool_calls for t in turns)),
             "tool_errors": float(sum(t.tool_errors for t in turns)),
             "tool_infra_errors": float(self.tool_infra_errors),  # also counted in tool_errors
+            "images": float(len(trajectory.images)),
+            "tool_images_unseen": float(self.images.unseen),  # a text-only model's
         }
         add_turn_reward_sums(trajectory)
         return trajectory

@@ -8,6 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from rollout_svc.agent_runner import AgentConfig
 from turnrl.config import DEFAULT_PORTS, ClientConfig, ServerConfig, StrictModel
+from turnrl.images import ImageSettings
 
 
 class InteractionEntry(StrictModel):
@@ -143,6 +144,11 @@ class RolloutConfig(StrictModel):
         gt=0,
         description="Deadline of scoring one trajectory, in seconds, tries again while the "
         "reward service is down included; long enough for an LLM judge.",
+    )
+    images: ImageSettings = Field(
+        default_factory=ImageSettings,
+        description="Limits on the images of prompts and tool results (a vision-language "
+        "model's), and the folders file: image URLs may name.",
     )
     interactions: list[InteractionEntry] = Field(
         default_factory=list, description="Simulated users, by name."

@@ -31,6 +31,7 @@ from rollout_svc.engines.base import (
     ServerHeldWeights,
     broken_push_error,
 )
+from rollout_svc.gateway.session_images import SessionImages
 from rollout_svc.gateway.sessions import ChatSessions
 from rollout_svc.interactions import INTERACTIONS
 from rollout_svc.interactions.base import Interaction
@@ -47,6 +48,7 @@ from turnrl.errors import (
 from turnrl.replicas import ReplicaSet
 from turnrl.trajectory import Trajectory
 from turnrl.v1 import reward_pb2_grpc
+from turnrl.vision import VisionProcessor, vision_token_id
 from turnrl.weights import LoraAdapter, TensorMeta
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,7 @@ class RolloutService:
             config.gateway.served_model_name or Path(config.model_path or "model").name,
             config.gateway.max_sessions,
             new_part_on_rewrite=config.gateway.history_rewrites == "new_part",
+            images=SessionImages(loop.vision, loop.image_settings),
         )
         self._engine = engine
         self._loop = loop
@@ -126,6 +129,8 @@ class RolloutService:
         )
         interactions = {entry.name: _build_interaction(entry) for entry in config.interactions}
         engine = await engine_class.create(options, model_path, config.max_model_len)
+        is_vision_model = await asyncio.to_thread(vision_token_id, model_path) is not None
+        vision = await asyncio.to_thread(VisionProcessor, model_path) if is_vision_model else None
         tool_client = ToolClient(config.tool_service)
         loop = AgentLoop(
             engine=engine,
@@ -137,6 +142,8 @@ class RolloutService:
             interactions=interactions,
             tool_call_timeout_seconds=config.tool_call_timeout_seconds,
             reward_timeout_seconds=config.reward_timeout_seconds,
+            vision=vision,
+            image_settings=config.images,
         )
         return cls(config, engine, loop, ToolSchemas(tool_client))
 
@@ -199,6 +206,18 @@ class RolloutService:
             raise InvalidArgumentError(
                 f"{len(prompts)} prompts times n={n} is more trajectories than "
                 f"rollout.max_trajectories_per_call={self._config.max_trajectories_per_call}"
+            )
+        # Files read and images decoded: off the event loop.
+        prompts = await asyncio.to_thread(
+            lambda: [
+                self._loop.with_images(prompt, f"prompts[{index}].messages")
+                for index, prompt in enumerate(prompts)
+            ]
+        )
+        if self._episodes is not None and any(prompt.images for prompt in prompts):
+            raise InvalidArgumentError(
+                "prompts with images: the configured agent (rollout.agent) plays through the "
+                "gateway, which does not take images yet"
             )
         # An agent brings its own tools (and calls them itself); the agent loop needs theirs.
         tools = [

@@ -1,5 +1,5 @@
 """Rebuilds the tiny models that ship in `turnrl_demo/models/`: the default settings' (the
-tests' model) and the `tiny_model` of each CPU example (calculator, search, code, the chained
+tests' model) and the `tiny_model` of each CPU example (calculator, search, code, zoom, the chained
 calculator task's warm start that mostly stops after a first call,
 examples/calculator/turn_credit.yaml, and the policy and judge of
 examples/calculator/judge.yaml), and removes shipped folders none names any more. Run it after
@@ -18,7 +18,10 @@ from turnrl_demo.settings import TinyModelSettings
 from turnrl_demo.tiny_model import SHIPPED_MODELS_DIR, build_tiny_model
 
 EXAMPLE_CONFIGS = [
-    *(REPO_ROOT / "examples" / task / "config.yaml" for task in ("calculator", "search", "code")),
+    *(
+        REPO_ROOT / "examples" / task / "config.yaml"
+        for task in ("calculator", "search", "code", "zoom")
+    ),
     REPO_ROOT / "examples" / "calculator" / "turn_credit.yaml",
     REPO_ROOT / "examples" / "calculator" / "judge.yaml",
 ]

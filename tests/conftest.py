@@ -18,9 +18,10 @@ from google.protobuf.descriptor import ServiceDescriptor
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fixture_files import FixturesUnavailableError, resolve_fixtures
+from tests.tiny_vlm import save_zoom_caller
 from turnrl import rpc
 from turnrl.config import REPO_ROOT, ServerConfig
-from turnrl_cli.project_config import SERVICE_NAMES
+from turnrl_cli.project_config import SERVICE_NAMES, load_project_config
 from turnrl_demo.tiny_model import build_tiny_model
 
 # Asyncio debug mode in every test loop and child service: slow callbacks (>100 ms) are reported.
@@ -73,6 +74,23 @@ def tiny_model_dir() -> Path:
     which ships in turnrl_demo/models/. No service falls back to it: a test passes it as the
     model path (`example_on_tiny_model`, `rollout.model_path`, `trainer.model_path`)."""
     return build_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def zoom_model_dir() -> Path:
+    """The image demo's tiny Qwen2.5-VL (examples/zoom/config.yaml's `tiny_model`), which ships
+    in turnrl_demo/models/."""
+    project = load_project_config(REPO_ROOT / "examples" / "zoom" / "config.yaml")
+    return build_tiny_model(settings=project.tiny_model)
+
+
+@pytest.fixture(scope="session")
+def zoom_caller_dir(
+    tmp_path_factory: pytest.TempPathFactory, fixtures: Path, tiny_model_dir: Path
+) -> Path:
+    """A tiny random Qwen2.5-VL on the tiny model's vocabulary, taught by SFT to call
+    image_zoom on a question about an image (tests/tiny_vlm.py)."""
+    return save_zoom_caller(tmp_path_factory.mktemp("zoom-caller"), fixtures, tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

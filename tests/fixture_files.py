@@ -58,6 +58,8 @@ GPT_OSS_20B = "6cee5e81ee83917806bbde320786a8fb61efebee"
 GLM_4_5 = "cbb2c7cfb52fa128a9660cb1a7a78e017899e115"
 NEMOTRON_3_NANO = "cbd3fa9f933d55ef16a84236559f4ee2a0526848"
 GSM8K = "e53f048856ff4f594e959d75785d2c2d37b678ee"
+QWEN2_5_VL_7B_INSTRUCT = "cc594898137f460bfe9f0759e9844b3ce807cfb5"
+QWEN3_VL_4B_INSTRUCT = "ebb281ec70b05090aa6165b016eac8ec08e71b17"
 
 QWEN2_5_TOKENIZER_FILES = (
     "vocab.json",
@@ -65,6 +67,12 @@ QWEN2_5_TOKENIZER_FILES = (
     "tokenizer_config.json",
     "added_tokens.json",
     "special_tokens_map.json",
+)
+
+# The vision-language fixtures' folders, Hub repositories and commits.
+VLM_REPOS = (
+    ("qwen2.5-vl", "Qwen/Qwen2.5-VL-7B-Instruct", QWEN2_5_VL_7B_INSTRUCT),
+    ("qwen3-vl", "Qwen/Qwen3-VL-4B-Instruct", QWEN3_VL_4B_INSTRUCT),
 )
 
 # Fixture path (relative to the fixtures folder) -> its source on the Hub.
@@ -110,6 +118,18 @@ HUB_FILES: dict[str, HubFile] = {
     "chat_templates/nemotron-3-nano.jinja": HubFile(
         "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16", "chat_template.jinja", NEMOTRON_3_NANO
     ),
+    # The vision-language files are the models' own; each template is its chat_template.json's.
+    **{
+        f"vlm/{name}/{file}": HubFile(repo, file, revision)
+        for name, repo, revision in VLM_REPOS
+        for file in ("config.json", "preprocessor_config.json")
+    },
+    **{
+        f"vlm/{name}/chat_template.jinja": HubFile(
+            repo, "chat_template.json", revision, convert=chat_template_of_tokenizer_config
+        )
+        for name, repo, revision in VLM_REPOS
+    },
     # The Hub keeps the GSM8K release (openai/grade-school-math) as parquet, in the same row order.
     "gsm8k/train.jsonl": HubFile(
         "openai/gsm8k",

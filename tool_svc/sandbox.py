@@ -20,7 +20,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -245,9 +245,12 @@ class Sandbox:
         wall_timeout_seconds: float,
         limits: SandboxLimits,
         max_output_bytes: int,
+        read_workdir: Callable[[Path], object] | None = None,
     ) -> RunOutcome:
         """Runs `command` to completion with `stdin` as its input, killing the whole tree at
-        the wall-time limit; stdout and stderr are kept up to `max_output_bytes` each."""
+        the wall-time limit; stdout and stderr are kept up to `max_output_bytes` each.
+        `read_workdir` is called (in a thread) with the work dir's host path once the tree is
+        dead, before the dir is removed."""
         started = time.monotonic()
         sandbox = await self.start(command, limits)
         process = sandbox.process
@@ -269,6 +272,8 @@ class Sandbox:
             async with asyncio.timeout(CLEANUP_TIMEOUT_SECONDS):
                 stdout, stderr = await asyncio.gather(*reads)
             counters = await sandbox.counters()
+            if read_workdir is not None:
+                await asyncio.to_thread(read_workdir, sandbox.workdir)
         finally:
             for read in reads:
                 read.cancel()

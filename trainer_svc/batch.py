@@ -1,6 +1,7 @@
-"""What a train step's rows are and how they are cut into micro-batches: `Batch`, right-padded
-rows of tokens with their per-token tensors, and the micro-batch plans `FsdpModel` forwards
-and trains in (trainer_svc/fsdp.py): rows longest first within a token budget, or, where a
+"""What a train step's rows are and how they are cut: `Batch`, right-padded rows of tokens with
+their per-token tensors (and a vision-language policy's images, processed again from the
+trajectory's bytes: `processed_images`), a step's shuffled mini-batches, and the micro-batch
+plans `FsdpModel` forwards and trains in (trainer_svc/fsdp.py): rows longest first within a token budget, or, where a
 group's prefix is computed once (trainer_svc/forward.py), whole groups whose three forwards
 fit it.
 """
@@ -12,6 +13,9 @@ import torch
 from torch import Tensor
 
 from trainer_svc.forward import PrefixLevel
+from turnrl.images import trajectory_images
+from turnrl.trajectory import Trajectory
+from turnrl.vision import ProcessedImage, VisionProcessor
 
 
 @dataclass
@@ -26,6 +30,9 @@ class Batch:
     # (rows,) long: rows of one value share their prompt (a GRPO group); None: not known.
     # The policy's forward computes a group's shared prefix once (`trainer_svc.forward`).
     groups: Tensor | None = None
+    # Each row's images, in the order of its image tokens (a vision-language model's rows);
+    # None: no row has any.
+    images: list[list[ProcessedImage]] | None = None
     # Set by `train_step` on each micro-batch: loss tokens and rows over all ranks' batches.
     global_token_count: int = 0
     global_sequence_count: int = 0
@@ -38,9 +45,11 @@ class Batch:
         extras: dict[str, list[list[float]]] | None = None,
         pad_token_id: int = 0,
         groups: list[int] | None = None,
+        images: list[list[ProcessedImage]] | None = None,
     ) -> "Batch":
         """Pads rows on the right; every loss mask and extra row has its token row's length.
-        `groups`: each row's group (rows of one prompt), when known."""
+        `groups`: each row's group (rows of one prompt), when known; `images`: each row's
+        images, when any row has one."""
         extras = extras or {}
         for name, rows in {"loss_masks": loss_masks, **extras}.items():
             lengths = [len(row) for row in rows]
@@ -61,6 +70,7 @@ class Batch:
                 name: pad_rows(rows, width, 0.0, torch.float32) for name, rows in extras.items()
             },
             groups=None if groups is None else torch.tensor(groups, dtype=torch.long),
+            images=images if images and any(images) else None,
         )
 
     def select(self, rows: list[int], device: torch.device) -> "Batch":
@@ -78,6 +88,7 @@ class Batch:
             loss_mask=take(self.loss_mask),
             extras={name: take(tensor) for name, tensor in self.extras.items()},
             groups=None if self.groups is None else self.groups[index].to(device),
+            images=None if self.images is None else [self.images[row] for row in rows],
         )
 
 
@@ -88,6 +99,12 @@ def pad_rows(rows: list[list[Any]], width: int, value: Any, dtype: torch.dtype) 
     for index, row in enumerate(rows):
         tensor[index, : len(row)] = torch.tensor(row, dtype=dtype)
     return tensor
+
+
+def mini_batches(size: int, count: int, generator: torch.Generator) -> list[list[int]]:
+    """`count` shuffled, near-equal slices of the row indices 0..size-1."""
+    order = torch.randperm(size, generator=generator).tolist()
+    return [order[i::count] for i in range(count) if order[i::count]]
 
 
 def micro_batch_rows(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -160,3 +177,29 @@ def shared_prefix_micro_batch_rows(levels: list[PrefixLevel], max_tokens: int) -
                 continue
         micro_batches.append(run)
     return [micro_batch.rows for micro_batch in micro_batches]
+
+
+def processed_images(
+    trajectory: Trajectory, vision: VisionProcessor | None
+) -> list[ProcessedImage]:
+    """The trajectory's images as the policy's processor makes them from their bytes, each
+    checked against its record: the same bytes, and the grid the rollout's processor made."""
+    if not trajectory.images:
+        return []
+    where = f"trajectory {trajectory.trajectory_id!r}"
+    if vision is None:
+        raise ValueError(f"{where} has images, but the policy is a text-only model")
+    if len(trajectory.parts) > 1:
+        raise ValueError(f"{where} has images and comes in parts; only whole ones are trained")
+    processed = []
+    loaded = trajectory_images(trajectory.messages)
+    for index, (image, record) in enumerate(zip(loaded, trajectory.images, strict=True)):
+        done = vision.process(image)
+        if image.sha256 != record.sha256 or done.grid_thw != record.grid_thw:
+            raise ValueError(
+                f"{where}: image {index} is {image.sha256[:12]} processed to a "
+                f"{done.grid_thw} grid, but its record says {record.sha256[:12]} and "
+                f"{record.grid_thw} (do the rollout and the trainer load one processor?)"
+            )
+        processed.append(done)
+    return processed

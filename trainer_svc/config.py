@@ -154,14 +154,16 @@ class DataConfig(StrictModel):
         description="Held-out files or `datasets` sources, as `train_files`. Empty with empty "
         "`train_files`: the generated task's test split; empty otherwise: no evaluation.",
     )
-    generated_task: Literal["calculator", "search", "code"] = Field(
+    generated_task: Literal["calculator", "search", "code", "zoom"] = Field(
         default="calculator",
         description="The problems generated when no files are named: calculator (arithmetic "
         "word problems for the calculator tool, turnrl.calculator_data, graded as GSM8K), "
         "search (questions about a generated world for the search tool over "
-        "examples/search/corpus.jsonl, turnrl.search_world, Search-R1's exact match) or code "
+        "examples/search/corpus.jsonl, turnrl.search_world, Search-R1's exact match), code "
         "(large-number word problems for the python tool, turnrl.code_problems, graded as "
-        "math). SFT generates the calculator's conversations only.",
+        "math) or zoom (an image's tiny digits for the image_zoom tool, whose session opens "
+        "on the prompt's image, turnrl.zoom_digits, graded as GSM8K; a vision-language "
+        "policy). SFT generates the calculator's conversations only.",
     )
     generated_train_size: int = Field(
         default=2000, gt=0, description="Generated problems to train on when no files are named."

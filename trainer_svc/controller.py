@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
+from trainer_svc.batch import mini_batches
 from trainer_svc.data import EpochSampler, PromptRecord, load_datasets
 from trainer_svc.dumps import (
     EVAL_FOLDER,
@@ -55,7 +56,6 @@ from trainer_svc.rl_step import (
     RolloutBatch,
     infra_failed,
     keep_groups_with_signal,
-    mini_batches,
     rl_models,
     rl_update,
     rollout_batch,
@@ -149,7 +149,7 @@ class Controller(RunLoop):
         # The verdicts train with the policy's model, unless the judge is a model of its own.
         own_judge = [t for t in trajectories if is_judge(t)] if self.served_judge else []
         trained = policy if self.served_judge else trajectories
-        rollouts = rollout_batch(trained, self.pad_token_id, self._policy_version)
+        rollouts = rollout_batch(trained, self.pad_token_id, self._policy_version, self.vision)
         metrics.update({f"rollout/{k}": v for k, v in rollout_metrics(policy).items()})
         metrics.update(staleness_metrics(trained, self._policy_version))
         self.emit(ProgressEvent(self.step, "rollout", metrics))

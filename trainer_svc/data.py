@@ -1,19 +1,22 @@
 """Training and held-out data: prompts (RL) or written conversations (SFT), from verl-format
 parquet/JSONL files, `datasets` sources (the Hub, a dataset folder, a save_to_disk folder) or a
-generated task's problems (calculator, search, code), and the epoch-wise order the controller
+generated task's problems (calculator, search, code, zoom), and the epoch-wise order the controller
 draws batches in.
 
 A verl RL record is {"prompt": [chat messages], "data_source": str, "reward_model":
 {"ground_truth": ...}, "extra_info": {"tools_kwargs": {...}, "interaction_kwargs": {...}, ...}};
-`tools_kwargs` may be JSON text, for parquet, which cannot store an empty struct.
+`tools_kwargs` may be JSON text, for parquet, which cannot store an empty struct. A multimodal
+record adds verl's "images" (bytes or paths, relative to the file's folder), each in the place
+of an `<image>` in the prompt's text, or holds image_url parts in its messages.
 A verl multi-turn SFT record is {"messages": [chat messages], "tools": [tool schemas]}; in
 parquet, `tools` and tool-call `arguments` are best stored as JSON text, since a parquet struct
 takes the union of all rows' keys.
 """
 
+import base64
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -22,22 +25,28 @@ import pyarrow.parquet as pq
 from google.protobuf import json_format
 
 from trainer_svc.config import DataConfig, DatasetSource, DataSource
-from turnrl import calculator_data, code_problems, search_world
+from turnrl import calculator_data, code_problems, search_world, zoom_digits
 from turnrl.calculator_data import TOOLS, CalculatorProblem
 from turnrl.code_problems import CodeProblem
-from turnrl.errors import ConfigError
+from turnrl.errors import ConfigError, InvalidArgumentError
+from turnrl.images import ImageSettings, load_message_images
 from turnrl.messages import ROLES_BY_NAME, dict_to_message
 from turnrl.search_world import SearchQuestion
 from turnrl.splits import Split
 from turnrl.v1 import rollout_pb2
+from turnrl.zoom_digits import ZoomProblem
+
+# Where an image of a row's `images` column goes in its prompt's text (verl's multimodal rows).
+IMAGE_MARKER = "<image>"
 
 # The data source of each generated task's prompts, which picks the reward service's scorer.
 GENERATED_DATA_SOURCES = {
     "calculator": "openai/gsm8k",
     "search": search_world.DATA_SOURCE,
     "code": code_problems.DATA_SOURCE,
+    "zoom": zoom_digits.DATA_SOURCE,
 }
-GeneratedProblem = CalculatorProblem | SearchQuestion | CodeProblem
+GeneratedProblem = CalculatorProblem | SearchQuestion | CodeProblem | ZoomProblem
 Record = TypeVar("Record")
 
 
@@ -94,13 +103,16 @@ def load_conversations(
 def read_records(source: DataSource) -> list[PromptRecord]:
     """The prompt records of one verl-format parquet or JSONL file or `datasets` source."""
     name, where, rows = _rows(source)
-    return [_record(row, name, index, where) for index, row in enumerate(rows)]
+    # Image paths in a file's rows are relative to its folder.
+    folder = source.parent if isinstance(source, Path) else Path.cwd()
+    return [_record(row, name, index, where, folder) for index, row in enumerate(rows)]
 
 
 def read_conversations(source: DataSource) -> list[ConversationRecord]:
     """The conversations of one file or `datasets` source in verl's multi-turn SFT format."""
     name, where, rows = _rows(source)
-    return [_conversation(row, f"{name}-{index}", where) for index, row in enumerate(rows)]
+    folder = source.parent if isinstance(source, Path) else Path.cwd()
+    return [_conversation(row, f"{name}-{index}", where, folder) for index, row in enumerate(rows)]
 
 
 def _load(
@@ -138,6 +150,8 @@ def _generated_problems(
         return search_world.generate_questions(count, seed=seed, split=split)
     if config.generated_task == "code":
         return code_problems.generate_problems(count, seed=seed, split=split)
+    if config.generated_task == "zoom":
+        return zoom_digits.generate_problems(count, seed=seed, split=split)
     return calculator_data.generate_problems(
         count, seed=seed, split=split, settings=config.generated_problems
     )
@@ -195,10 +209,11 @@ def _dataset_rows(source: DatasetSource) -> tuple[str, str, list[dict[str, Any]]
     return name, where, loaded.to_list()
 
 
-def _record(row: dict[str, Any], name: str, index: int, source: str) -> PromptRecord:
+def _record(row: dict[str, Any], name: str, index: int, source: str, folder: Path) -> PromptRecord:
     """The prompt of row `index` of a source's rows (its records' ids open with `name`;
-    `source` names it in errors), checked whole here: a row the rollout service's request
-    cannot carry fails the load, naming its field, never a step mid-run."""
+    `source` names it in errors; image paths are relative to `folder`), checked whole here:
+    a row the rollout service's request cannot carry fails the load, naming its field, never
+    a step mid-run."""
     default_id = f"{name}-{index}"
     where = f"{source}, record {default_id}"
     messages = row.get("prompt")
@@ -215,7 +230,12 @@ def _record(row: dict[str, Any], name: str, index: int, source: str) -> PromptRe
     given_index = extra_info.get("index")
     return PromptRecord(
         prompt_id=f"{name}-{index if given_index is None else given_index}",
-        messages=[_prompt_message(m, f"{where}: `prompt[{i}]") for i, m in enumerate(messages)],
+        messages=_with_images(
+            [_prompt_message(m, f"{where}: `prompt[{i}]") for i, m in enumerate(messages)],
+            row.get("images"),
+            where,
+            folder,
+        ),
         data_source=str(row.get("data_source", "")),
         ground_truth=reward_model["ground_truth"],
         tools_kwargs=_kwargs(extra_info.pop("tools_kwargs", None), f"{where}: `tools_kwargs"),
@@ -242,6 +262,62 @@ def _prompt_message(message: Any, where: str) -> dict[str, Any]:
     return {"role": role, "content": content}
 
 
+def _with_images(
+    messages: list[dict[str, Any]], images: Any, where: str, folder: Path
+) -> list[dict[str, Any]]:
+    """`messages` with their images read and inlined: verl's `images` column (each image a
+    `{"bytes", "path"}` object, as `datasets` stores one, a path, or a data URL) in the places
+    of the `<image>` markers of the messages' text, in order, and any image_url part's file.
+    Each image is decoded here (turnrl.images), so a missing or corrupt one fails the load."""
+    images = list(images or [])
+    markers = sum(
+        m["content"].count(IMAGE_MARKER) for m in messages if isinstance(m["content"], str)
+    )
+    # Without an `images` column, `<image>` is text (a text row may spell it).
+    if images and markers != len(images):
+        raise ConfigError(
+            f"{where}: the messages have {markers} {IMAGE_MARKER} markers for {len(images)} "
+            "`images`"
+        )
+    urls = iter(
+        [_image_url(image, folder, f"{where}: `images[{i}]") for i, image in enumerate(images)]
+    )
+    with_parts = [_marked_images(message, urls) for message in messages] if images else messages
+    settings = ImageSettings(file_dirs=[str(folder)])
+    try:
+        inlined, _ = load_message_images(with_parts, settings, f"{where}: messages")
+    except InvalidArgumentError as e:
+        raise ConfigError(str(e)) from None
+    return inlined
+
+
+def _image_url(image: Any, folder: Path, where: str) -> str:
+    """The URL of one entry of the `images` column: a data URL of its bytes, or the file URL
+    of its path (relative to `folder`); `where` opens the entry's name, closed here."""
+    if isinstance(image, dict) and image.get("bytes"):
+        if not isinstance(image["bytes"], bytes):
+            raise ConfigError(f"{where}.bytes` must be bytes (parquet); in JSON, give a path")
+        return f"data:;base64,{base64.b64encode(image['bytes']).decode()}"
+    path = image.get("path") if isinstance(image, dict) else image
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{where}` must be an image's bytes or path, got {image!r:.80}")
+    return path if path.startswith("data:") else (folder / path).resolve().as_uri()
+
+
+def _marked_images(message: dict[str, Any], urls: Iterator[str]) -> dict[str, Any]:
+    """`message` with each `<image>` marker of its text as an image_url part of the next URL."""
+    content = message["content"]
+    if not isinstance(content, str) or IMAGE_MARKER not in content:
+        return message
+    parts: list[dict[str, Any]] = []
+    for index, text in enumerate(content.split(IMAGE_MARKER)):
+        if index:
+            parts.append({"type": "image_url", "image_url": {"url": next(urls)}})
+        if text:
+            parts.append({"type": "text", "text": text})
+    return {**message, "content": parts}
+
+
 def _is_content_part(part: Any) -> bool:
     """An OpenAI content part turnrl.messages.dict_to_message converts: text or an image URL."""
     if not isinstance(part, dict):
@@ -252,7 +328,11 @@ def _is_content_part(part: Any) -> bool:
     return part.get("type") == "image_url" and isinstance(image, dict) and "url" in image
 
 
-def _conversation(row: dict[str, Any], record_id: str, source: str) -> ConversationRecord:
+def _conversation(
+    row: dict[str, Any], record_id: str, source: str, folder: Path
+) -> ConversationRecord:
+    """A conversation of verl's multi-turn SFT format, its images (an `images` column and
+    `<image>` markers, or image_url parts of its user and tool messages) read and inlined."""
     where = f"{source}, record {record_id}"
     messages = row.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -264,10 +344,15 @@ def _conversation(row: dict[str, Any], record_id: str, source: str) -> Conversat
         raise ConfigError(f"{where}: `tools` must be a list of tool schemas, got {tools!r}")
     return ConversationRecord(
         conversation_id=record_id,
-        messages=[
-            _chat_message(message, f"{where}, message {index}")
-            for index, message in enumerate(messages)
-        ],
+        messages=_with_images(
+            [
+                _chat_message(message, f"{where}, message {index}")
+                for index, message in enumerate(messages)
+            ],
+            row.get("images"),
+            where,
+            folder,
+        ),
         tools=_drop_nulls(tools) or None,
     )
 
@@ -361,6 +446,8 @@ def _prompt_of_problem(problem: GeneratedProblem, record_id: str, task: str) -> 
         messages=problem.prompt_messages,
         data_source=GENERATED_DATA_SOURCES[task],
         ground_truth=str(problem.answer),
+        # The image tool's session opens on the prompt's image.
+        tools_kwargs=problem.tools_kwargs if isinstance(problem, ZoomProblem) else {},
     )
 
 

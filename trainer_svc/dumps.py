@@ -130,6 +130,7 @@ def trajectory_record(
             for r in trajectory.turn_rewards
         ],
         "messages": trajectory.messages,
+        "images": [vars(image) for image in trajectory.images],
         "tool_calls": tool_calls(trajectory.messages),
         "turns": [vars(turn) for turn in trajectory.turns],
         "metrics": trajectory.metrics,

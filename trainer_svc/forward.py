@@ -21,6 +21,8 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from turnrl.vision import ProcessedImage
+
 
 def token_logprobs(
     logits: Tensor, input_ids: Tensor, with_entropy: bool
@@ -49,13 +51,36 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
 
 def whole_row_logprobs(
-    model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, with_entropy: bool
+    model: PreTrainedModel,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    with_entropy: bool,
+    images: list[list[ProcessedImage]] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """One forward over right-padded rows; padding gets 0."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    """One forward over right-padded rows; padding gets 0. `images`: each row's images, for a
+    vision-language model, whose features take their tokens' places."""
+    inputs = {} if images is None else image_inputs(model, input_ids, images)
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **inputs
+    ).logits
     logprobs, entropy = token_logprobs(logits, input_ids, with_entropy)
     real = attention_mask.bool()
     return logprobs * real, None if entropy is None else entropy * real
+
+
+def image_inputs(
+    model: PreTrainedModel, input_ids: Tensor, images: list[list[ProcessedImage]]
+) -> dict[str, Tensor]:
+    """A VLM's image inputs for rows `input_ids` with each row's `images`: every image's
+    patches in row order (the order of their tokens in the flattened rows), their grids, and
+    the mask of image tokens its M-RoPE positions are computed from."""
+    flat = [image for row in images for image in row]
+    device = input_ids.device
+    return {
+        "pixel_values": torch.cat([image.pixel_values for image in flat]).to(device),
+        "image_grid_thw": torch.tensor([image.grid_thw for image in flat], device=device),
+        "mm_token_type_ids": (input_ids == model.config.image_token_id).int(),
+    }
 
 
 def can_share_prefixes(model: PreTrainedModel) -> bool:

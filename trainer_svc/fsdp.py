@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from trainer_svc.batch import Batch, micro_batch_rows, shared_prefix_micro_batch_rows
 from trainer_svc.config import LoraSettings, TrainSettings
@@ -69,6 +69,7 @@ from trainer_svc.lora import (
     save_adapter,
     unadapted_state,
 )
+from turnrl.vision import is_vision_model, model_class
 from turnrl.weights import BucketedWeights
 
 # Files of a Hugging Face tokenizer folder that `save_pretrained` copies, when present.
@@ -120,9 +121,18 @@ def apply_fsdp(model: PreTrainedModel, mesh: DeviceMesh, settings: TrainSettings
     mp_policy = MixedPrecisionPolicy()
     if settings.dtype == "bfloat16":
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
+    for layer in sharded_blocks(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+
+
+def sharded_blocks(model: PreTrainedModel) -> list[torch.nn.Module]:
+    """The blocks `apply_fsdp` shards one by one: the decoder layers, and a vision-language
+    model's vision blocks too."""
+    inner = model.model
+    if not is_vision_model(model):
+        return list(inner.layers)
+    return [*inner.language_model.layers, *inner.visual.blocks]
 
 
 def lr_factor(step: int, settings: TrainSettings) -> float:
@@ -399,7 +409,7 @@ class FsdpPolicy(FsdpModel):
     def __init__(
         self, model_path: str | Path, settings: TrainSettings, lora: LoraSettings | None = None
     ) -> None:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model = model_class(model_path).from_pretrained(model_path, dtype=torch.float32)
         self.model_path = str(model_path)
         self.lora = lora
         # The last parts of the adapted layers' names (q_proj, ...); [] without LoRA.
@@ -521,10 +531,11 @@ class FsdpPolicy(FsdpModel):
 
     def _forward(self, micro: Batch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         with self._autocast():
-            if self.shares_prefixes and micro.groups is not None:
+            # A row's images take their tokens' places: no prefix is computed apart from them.
+            if self.shares_prefixes and micro.groups is not None and micro.images is None:
                 return shared_prefix_logprobs(
                     self.model, micro.input_ids, micro.attention_mask, micro.groups, with_entropy
                 )
             return whole_row_logprobs(
-                self.model, micro.input_ids, micro.attention_mask, with_entropy
+                self.model, micro.input_ids, micro.attention_mask, with_entropy, micro.images
             )

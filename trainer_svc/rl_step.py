@@ -21,7 +21,7 @@ from trainer_svc.advantages import (
     sequence_rewards_to_tokens,
     turn_rewards_to_tokens,
 )
-from trainer_svc.batch import Batch, pad_rows
+from trainer_svc.batch import Batch, pad_rows, processed_images
 from trainer_svc.config import AlgorithmConfig, CriticConfig, TrainerConfig
 from trainer_svc.critic import FsdpCritic
 from trainer_svc.fsdp import FsdpPolicy
@@ -37,6 +37,7 @@ from trainer_svc.losses import (
 )
 from trainer_svc.ranks import Models, share_of
 from turnrl.trajectory import FinishReason, SegmentSource, Trajectory
+from turnrl.vision import VisionProcessor
 
 
 @dataclass
@@ -58,12 +59,16 @@ class RolloutBatch:
 
 
 def rollout_batch(
-    trajectories: list[Trajectory], pad_token_id: int, policy_version: int | None = None
+    trajectories: list[Trajectory],
+    pad_token_id: int,
+    policy_version: int | None = None,
+    vision: VisionProcessor | None = None,
 ) -> RolloutBatch:
     """Tensors of `trajectories`, a row per part; each needs at least one model token
     (`trainable`). Given the `policy_version` of the trainer's weights, the extra
-    "policy_staleness" holds each model token's versions behind it (0 on the other tokens).
-    Raises ValueError for a model token newer than `policy_version`."""
+    "policy_staleness" holds each model token's versions behind it (0 on the other tokens);
+    a VLM policy's `vision` processes each row's images (`processed_images`). Raises
+    ValueError for a model token newer than `policy_version`."""
     rows = [(i, part) for i, t in enumerate(trajectories) for part in t.parts]
 
     def per_row(values_of: Callable[[Trajectory], list]) -> list[list]:
@@ -81,6 +86,7 @@ def rollout_batch(
         extras,
         pad_token_id,
         groups=group_index.tolist(),
+        images=[processed_images(trajectories[i], vision) for i, _ in rows],
     )
     width = batch.input_ids.shape[1]
     return RolloutBatch(
@@ -462,12 +468,6 @@ def _global_share(micro: Batch, mode: str) -> float:
         return float(micro.loss_mask.sum()) / micro.global_token_count
     # The seq-mean modes count rows with loss tokens: all but a rank's filler (`trainable`).
     return float(micro.loss_mask.any(1).sum()) / micro.global_sequence_count
-
-
-def mini_batches(size: int, count: int, generator: torch.Generator) -> list[list[int]]:
-    """`count` shuffled, near-equal slices of the row indices 0..size-1."""
-    order = torch.randperm(size, generator=generator).tolist()
-    return [order[i::count] for i in range(count) if order[i::count]]
 
 
 def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:

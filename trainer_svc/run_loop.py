@@ -20,6 +20,7 @@ from trainer_svc.data import EpochSampler
 from trainer_svc.hub import HubPublisher, HubUploadError
 from trainer_svc.ranks import Ranks, restore, save_pretrained
 from trainer_svc.report import Plot, RunReport
+from turnrl.vision import VisionProcessor, vision_token_id
 
 # The last policy in Hugging Face format (with LoRA, peft's adapter folder), beside summary.json.
 FINAL_MODEL = "final_model"
@@ -69,6 +70,7 @@ class RunLoop(abc.ABC):
         self.checkpoint_requests: list[CheckpointRequest] = []
         self._checkpointed_step = -1
         self.publisher: HubPublisher | None = None  # with trainer.push_to_hub, from setup on
+        self.vision: VisionProcessor | None = None  # a vision-language policy's, from setup on
 
     def _planned_steps(self) -> int:
         """The run's length as known before setup (a subclass may count it from its data)."""
@@ -104,11 +106,13 @@ class RunLoop(abc.ABC):
 
     async def _model_and_tokenizer(self) -> tuple[str, Any]:
         """The initial policy's folder (TrainerService.start_run made sure the run names one)
-        and its tokenizer; sets `pad_token_id`."""
+        and its tokenizer; sets `pad_token_id`, and `vision` for a vision-language policy."""
         model_path = self.config.model_path
         assert model_path is not None, "StartRun refuses a run without a model"
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_path)
         self.pad_token_id = pad_token_id(tokenizer)
+        if await asyncio.to_thread(vision_token_id, model_path) is not None:
+            self.vision = await asyncio.to_thread(VisionProcessor, model_path)
         return model_path, tokenizer
 
     async def _restore_checkpoint(self) -> dict[str, Any] | None:

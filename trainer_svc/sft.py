@@ -21,7 +21,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jinja2
 import torch
@@ -36,8 +36,16 @@ from trainer_svc.report import LOSS_PLOT
 from trainer_svc.run_loop import FINAL_MODEL, ProgressEvent, RunLoop
 from turnrl.chat_tokens import conversation_ids_and_loss_mask
 from turnrl.errors import ConfigError, TurnrlError
+from turnrl.images import trajectory_images
+from turnrl.vision import ProcessedImage, VisionProcessor
 
-Example = tuple[list[int], list[bool]]  # one conversation's token ids and loss mask
+
+class Example(NamedTuple):
+    """One conversation as the policy trains on it."""
+
+    token_ids: list[int]
+    loss_mask: list[bool]
+    images: list[ProcessedImage]  # a vision-language policy's, in the order of their tokens
 
 
 def sft_loss(
@@ -53,15 +61,24 @@ def tokenize_conversations(
     records: list[ConversationRecord],
     max_length: int,
     chat_template_kwargs: dict[str, Any] | None = None,
+    vision: VisionProcessor | None = None,
 ) -> list[Example]:
-    """Each conversation's ids and loss mask, with the tokenizer's chat template. Raises
-    ConfigError naming a conversation the template cannot split into model turns, or one longer
-    than `max_length` tokens."""
+    """Each conversation's ids and loss mask, with the tokenizer's chat template, and its
+    images as `vision` (a vision-language policy's processor) makes them. Raises ConfigError
+    naming a conversation the template cannot split into model turns, one with images for a
+    text-only policy, or one longer than `max_length` tokens."""
     examples = []
     for record in records:
         try:
+            loaded = trajectory_images(record.messages)
+            images = [vision.process(image) for image in loaded] if vision else []
             ids, loss_mask = conversation_ids_and_loss_mask(
-                tokenizer, record.messages, record.tools, chat_template_kwargs=chat_template_kwargs
+                tokenizer,
+                record.messages,
+                record.tools,
+                chat_template_kwargs=chat_template_kwargs,
+                vision=vision,
+                images=images,
             )
         # The template's own errors too: it may refuse messages (a role order, a content type).
         except (TurnrlError, jinja2.TemplateError, TypeError, ValueError, KeyError) as e:
@@ -71,16 +88,17 @@ def tokenize_conversations(
                 f"conversation {record.conversation_id} has {len(ids)} tokens, more than "
                 f"trainer.sft.max_length={max_length}"
             )
-        examples.append((ids, loss_mask))
+        examples.append(Example(ids, loss_mask, images))
     return examples
 
 
 def examples_batch(examples: list[Example], pad_token_id: int) -> Batch:
     """The examples as one right-padded batch, the loss on their loss-mask tokens."""
     return Batch.from_sequences(
-        [ids for ids, _ in examples],
-        [loss_mask for _, loss_mask in examples],
+        [example.token_ids for example in examples],
+        [example.loss_mask for example in examples],
         pad_token_id=pad_token_id,
+        images=[example.images for example in examples],
     )
 
 
@@ -142,16 +160,17 @@ class SftController(RunLoop):
         model_path, tokenizer = await self._model_and_tokenizer()
         train, held_out = await asyncio.to_thread(load_conversations, config.data, config.seed)
         max_length = config.sft.max_length
-        self.train_examples = await asyncio.to_thread(
-            tokenize_conversations, tokenizer, train, max_length, config.data.chat_template_kwargs
-        )
-        self.held_out_examples = await asyncio.to_thread(
-            tokenize_conversations,
-            tokenizer,
-            held_out,
-            max_length,
-            config.data.chat_template_kwargs,
-        )
+        self.train_examples, self.held_out_examples = [
+            await asyncio.to_thread(
+                tokenize_conversations,
+                tokenizer,
+                records,
+                max_length,
+                config.data.chat_template_kwargs,
+                self.vision,
+            )
+            for records in (train, held_out)
+        ]
         self.sampler = EpochSampler(self.train_examples, config.seed, config.data.shuffle)
         self.total_steps = config.sft.run_steps(config.steps, len(self.train_examples))
         optim = config.optim.for_run(self.total_steps)
@@ -159,8 +178,8 @@ class SftController(RunLoop):
         resumed = resume and await self._restore_checkpoint() is not None
         await self._open_report(resumed, LOSS_PLOT)
         await self._open_hub_repo()
-        tokens = sum(len(ids) for ids, _ in self.train_examples)
-        loss_tokens = sum(sum(loss_mask) for _, loss_mask in self.train_examples)
+        tokens = sum(len(example.token_ids) for example in self.train_examples)
+        loss_tokens = sum(sum(example.loss_mask) for example in self.train_examples)
         message = (
             f"model {model_path}; {len(self.train_examples)} conversations of {tokens} tokens, "
             f"{loss_tokens} of them trained on; {len(self.held_out_examples)} held out"

@@ -36,6 +36,14 @@ The rules (DESIGN.md, "The trajectory is the unit of truth"):
   template's own text contains; a tokenizer loaded with `chat_control_tokens=[...]` names more.
   Text is split only around such spellings, so every other text tokenizes as in one render.
 
+- **Images are placeholders, then the processor's tokens.** An image part of a message (OpenAI's
+  `image_url`, or `{"type": "image"}`) is rendered as `{"type": "image"}`, which vision-language
+  templates write as one image token (`<|image_pad|>` between `<|vision_start|>` and
+  `<|vision_end|>`); the ids returned repeat each image's token as many times as its processed
+  grid has merged patches (`turnrl.vision`), as the model's processor does. Renders and their
+  cache never hold image bytes; the caller passes the processed images of the messages, in
+  order, with them.
+
 **Written model turns.** For supervised fine-tuning the conversation is given, not sampled:
 `append_assistant_message` stands in for `append_model_turn`, with the ids a model writes for an
 assistant message, which are the template's render of it after the generation prompt, through
@@ -59,11 +67,12 @@ import json
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from turnrl.errors import FailedPreconditionError, InvalidArgumentError
+from turnrl.vision import ProcessedImage, VisionProcessor, with_image_placeholders
 
 # turnrl's own ChatML template (tools in the system turn, hermes `<tool_call>` JSON, each tool
 # result its own turn), prefix-preserving by construction; the tiny demo model carries it.
@@ -98,6 +107,9 @@ class ConversationTokens:
 
     Message text must be Unicode: a string holding a lone surrogate (what a JSON `"\\ud800"`
     escape reads as), which no tokenizer encodes, is refused with InvalidArgumentError.
+
+    `vision`, for a vision-language model, expands the image tokens of messages with images;
+    without it, a message with an image is refused with InvalidArgumentError.
     """
 
     def __init__(
@@ -107,6 +119,7 @@ class ConversationTokens:
         tools: list[dict] | None,
         chat_template_kwargs: dict | None = None,
         stop_token_ids: Iterable[int] | None = None,
+        vision: VisionProcessor | None = None,
     ):
         if not _sanitizes_control_tokens(type(tokenizer)):
             raise FailedPreconditionError(
@@ -117,6 +130,8 @@ class ConversationTokens:
         self._chat_template = chat_template
         self._tools = tools
         self._template_kwargs = dict(chat_template_kwargs or {})
+        self._vision = vision
+        self._images_so_far = 0
         if stop_token_ids is None:
             stop_token_ids = [tokenizer.eos_token_id]
         self._stop_token_ids = frozenset(stop_token_ids)
@@ -133,13 +148,15 @@ class ConversationTokens:
         self._base_ids: list[int] = []
         self._generation_prompt_ids: list[int] | None = None
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The ids of the first prompt: `messages` rendered with the generation prompt."""
+    def prompt_ids(self, messages: list[dict], images: Sequence[ProcessedImage] = ()) -> list[int]:
+        """The ids of the first prompt: `messages` rendered with the generation prompt, the
+        tokens of `images` (those of the messages, in order) in their places."""
         if self._generation_prompt_ids is not None:
             raise FailedPreconditionError("prompt_ids was called already for this conversation")
         if not messages:
             raise InvalidArgumentError("the prompt needs at least one message, got []")
-        ids = self._render_prompt(list(messages), add_generation_prompt=True)
+        placeheld = self._with_image_placeholders(messages, images)
+        ids = self._expanded(self._render_prompt(placeheld, add_generation_prompt=True), images)
         # Worked out here, off the caller's event loop: the first render compiles the template.
         self._base_ids = self._render_prompt(list(BASE_MESSAGES), add_generation_prompt=False)
         prompted_ids = self._render_prompt(list(BASE_MESSAGES), add_generation_prompt=True)
@@ -216,10 +233,13 @@ class ConversationTokens:
             [], add_generation_prompt=False, what="the end of the conversation"
         )
 
-    def append_messages(self, messages: list[dict]) -> list[int]:
+    def append_messages(
+        self, messages: list[dict], images: Sequence[ProcessedImage] = ()
+    ) -> list[int]:
         """Appends tool results, user turns or system notes after a model turn and returns only
-        the new ids: whatever the template writes after the model's stop token, these messages,
-        and the generation prompt of the next model turn.
+        the new ids: whatever the template writes after the model's stop token, these messages
+        (the tokens of `images`, theirs in order, in their places), and the generation prompt
+        of the next model turn.
         """
         if self._model_turn_ids is None:
             raise FailedPreconditionError("append_messages must follow a model turn")
@@ -231,11 +251,39 @@ class ConversationTokens:
                 f"roles {roles!r} are not all in {sorted(NON_MODEL_ROLES)}; model turns go "
                 "through append_model_turn"
             )
+        if images and self._images_so_far and self._template_kwargs.get("add_vision_id"):
+            raise FailedPreconditionError(
+                "add_vision_id numbers the images of the whole conversation, and a difference "
+                "rendered after the base would number these from 1; it is not supported with "
+                "images after the prompt"
+            )
+        placeheld = self._with_image_placeholders(messages, images)
         new_ids = self._ids_after_model_turn(
-            messages, add_generation_prompt=True, what=f"messages with roles {roles!r}"
+            placeheld, add_generation_prompt=True, what=f"messages with roles {roles!r}"
         )
         self._model_turn_ids = None
-        return new_ids
+        return self._expanded(new_ids, images)
+
+    def _with_image_placeholders(
+        self, messages: list[dict], images: Sequence[ProcessedImage]
+    ) -> list[dict]:
+        """`messages` with each image part as a placeholder; raises InvalidArgumentError when
+        they hold images for a text-only model, or another number than `images`."""
+        placeheld, count = with_image_placeholders(messages)
+        if count and self._vision is None:
+            raise InvalidArgumentError(
+                f"the messages hold {count} images for a text-only model (no vision processor): "
+                "images need a vision-language model"
+            )
+        if count != len(images):
+            raise InvalidArgumentError(f"the messages hold {count} images, given {len(images)}")
+        self._images_so_far += count
+        return placeheld
+
+    def _expanded(self, ids: list[int], images: Sequence[ProcessedImage]) -> list[int]:
+        if self._vision is None:
+            return ids
+        return self._vision.expand_image_tokens(ids, list(images))
 
     def _require_model_turn_due(self, method: str) -> None:
         if self._generation_prompt_ids is None:
@@ -397,15 +445,20 @@ def conversation_ids_and_loss_mask(
     chat_template: str | None = None,
     chat_template_kwargs: dict | None = None,
     stop_token_ids: Iterable[int] | None = None,
+    vision: VisionProcessor | None = None,
+    images: Sequence[ProcessedImage] = (),
 ) -> tuple[list[int], list[bool]]:
     """A whole written conversation's token ids and loss mask, True on the tokens the model
     writes: each assistant message's ids through its stop token (`append_assistant_message`).
     False on the rest: the prompt (the messages before the first assistant message), tool
-    results, user turns, generation prompts, and what the template writes after the last turn.
+    results, user turns, generation prompts, and what the template writes after the last turn,
+    images included.
 
-    The arguments are `ConversationTokens`'s. Raises InvalidArgumentError when no assistant
-    message follows the prompt or two assistant messages are adjacent, and
-    FailedPreconditionError when the template cannot split the conversation into turns.
+    The arguments are `ConversationTokens`'s; `images` are the conversation's images (its
+    messages' image parts, in order) as `vision` processed them. Raises InvalidArgumentError
+    when no assistant message follows the prompt, two assistant messages are adjacent, or an
+    assistant message holds an image, and FailedPreconditionError when the template cannot
+    split the conversation into turns.
     """
     roles = [message.get("role") for message in messages]
     # Each model turn: an assistant message, then the messages up to the next one.
@@ -419,15 +472,29 @@ def conversation_ids_and_loss_mask(
             f"two assistant messages in a row in roles {roles!r}; a model turn ends where "
             "tool results or a user turn begin"
         )
+    if any(with_image_placeholders([messages[start]])[1] for start in starts):
+        raise InvalidArgumentError("an assistant message holds an image; models write text")
+    held = with_image_placeholders(messages)[1]
+    if vision is not None and held != len(images):  # a text model refuses them, saying so
+        raise InvalidArgumentError(f"{len(images)} images given for a conversation holding {held}")
     tokens = ConversationTokens(
-        tokenizer, chat_template, tools, chat_template_kwargs, stop_token_ids=stop_token_ids
+        tokenizer, chat_template, tools, chat_template_kwargs, stop_token_ids, vision
     )
-    ids = tokens.prompt_ids(messages[: starts[0]])
+    remaining = iter(images)
+
+    def images_of(part: list[dict]) -> list[ProcessedImage]:
+        return list(itertools.islice(remaining, with_image_placeholders(part)[1]))
+
+    ids = tokens.prompt_ids(messages[: starts[0]], images_of(messages[: starts[0]]))
     loss_mask = [False] * len(ids)
     for start, end in zip(starts, [*starts[1:], len(messages)], strict=True):
         turn_ids = tokens.append_assistant_message(messages[start])
         following = messages[start + 1 : end]
-        after_ids = tokens.append_messages(following) if following else tokens.closing_ids()
+        after_ids = (
+            tokens.append_messages(following, images_of(following))
+            if following
+            else tokens.closing_ids()
+        )
         ids += turn_ids + after_ids
         loss_mask += [True] * len(turn_ids) + [False] * len(after_ids)
     return ids, loss_mask

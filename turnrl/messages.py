@@ -1,10 +1,10 @@
 """Chat messages between the wire (`turnrl.v1.Message`) and the OpenAI-style dicts that chat
 templates, scorers and judges read."""
 
-import base64
 import json
 from typing import Any
 
+from turnrl.images import data_url
 from turnrl.v1 import common_pb2
 
 ROLE_NAMES = {
@@ -46,7 +46,7 @@ def _part_to_dict(part: common_pb2.ContentPart) -> dict[str, Any]:
     if part.HasField("text"):
         return {"type": "text", "text": part.text}
     image = part.image
-    url = image.url or f"data:{image.mime_type};base64,{base64.b64encode(image.data).decode()}"
+    url = image.url or data_url(image.data, image.mime_type)
     return {"type": "image_url", "image_url": {"url": url}}
 
 

@@ -78,6 +78,33 @@ class TurnReward:
         return cls(proto.turn, proto.value, TurnRewardSource(proto.source), proto.name)
 
 
+@dataclass(frozen=True)
+class TrajectoryImage:
+    """An image of the conversation: its tokens' [token_offset, token_offset + token_count)
+    in the trajectory, the SHA-256 of its bytes, and the grid its processor made."""
+
+    token_offset: int
+    token_count: int
+    sha256: str
+    grid_thw: tuple[int, int, int]
+
+    def to_proto(self) -> common_pb2.TrajectoryImage:
+        return common_pb2.TrajectoryImage(
+            token_offset=self.token_offset,
+            token_count=self.token_count,
+            sha256=self.sha256,
+            grid_thw=self.grid_thw,
+        )
+
+    @classmethod
+    def from_proto(cls, proto: common_pb2.TrajectoryImage) -> "TrajectoryImage":
+        """Raises ValueError for a grid of other than three sizes."""
+        if len(proto.grid_thw) != 3:
+            raise ValueError(f"an image's grid_thw has 3 sizes, got {list(proto.grid_thw)}")
+        t, h, w = proto.grid_thw
+        return cls(proto.token_offset, proto.token_count, proto.sha256, (t, h, w))
+
+
 @dataclass
 class Segment:
     """A run of tokens with one origin. Model segments carry a logprob per token and the
@@ -157,6 +184,7 @@ class Trajectory:
     metrics: dict[str, float] = field(default_factory=dict)
     reward: common_pb2.Reward | None = None
     turn_rewards: list[TurnReward] = field(default_factory=list)
+    images: list[TrajectoryImage] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -255,6 +283,7 @@ class Trajectory:
             metrics=self.metrics,
             data_source=self.data_source,
             turn_rewards=[reward.to_proto() for reward in self.turn_rewards],
+            images=[image.to_proto() for image in self.images],
         )
         if self.reward is not None:
             proto.reward.CopyFrom(self.reward)
@@ -278,6 +307,7 @@ class Trajectory:
             ]
             finish_reason = FinishReason(proto.finish_reason)
             turn_rewards = [TurnReward.from_proto(r) for r in proto.turn_rewards]
+            images = [TrajectoryImage.from_proto(image) for image in proto.images]
             messages = [message_to_dict(m) for m in proto.messages]
         except ValueError as e:
             raise InvalidArgumentError(f"{where}: {e}") from None
@@ -303,6 +333,7 @@ class Trajectory:
             metrics=dict(proto.metrics),
             reward=_copy(proto.reward) if proto.HasField("reward") else None,
             turn_rewards=turn_rewards,
+            images=images,
         )
         for name in ("loss_mask", "response_mask"):
             if list(getattr(proto, name)) != getattr(trajectory, name):
@@ -314,7 +345,37 @@ class Trajectory:
                     f"{where}: a {reward.source.name.lower()} reward from {reward.name!r} is "
                     f"for turn {reward.turn}, but the trajectory has {turns} model turns"
                 )
+        _check_images(trajectory, where)
         return trajectory
+
+
+def _check_images(trajectory: Trajectory, where: str) -> None:
+    """Raises InvalidArgumentError unless the images' tokens come one after another, inside the
+    trajectory, on tokens the model did not sample, as many as image parts in its messages."""
+    loss_mask, end = trajectory.loss_mask, 0
+    for index, image in enumerate(trajectory.images):
+        span = range(image.token_offset, image.token_offset + image.token_count)
+        if image.token_count <= 0 or span.start < end or span.stop > len(loss_mask):
+            raise InvalidArgumentError(
+                f"{where}: image {index}'s tokens [{span.start}, {span.stop}) are not after the "
+                f"image before it (at {end}) and within the {len(loss_mask)} tokens"
+            )
+        if any(loss_mask[position] for position in span):
+            raise InvalidArgumentError(
+                f"{where}: image {index}'s tokens [{span.start}, {span.stop}) overlap tokens "
+                "the model sampled"
+            )
+        end = span.stop
+    parts = sum(
+        part.get("type") == "image_url"
+        for message in trajectory.messages
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+    )
+    if parts != len(trajectory.images):
+        raise InvalidArgumentError(
+            f"{where}: {len(trajectory.images)} image records for {parts} images in its messages"
+        )
 
 
 def _copy(reward: common_pb2.Reward) -> common_pb2.Reward:

@@ -30,12 +30,14 @@ TINY_MODEL_OPTIM = {
 class TinyModelSettings(StrictModel):
     """Everything that decides the built model; its hash names the cache folder."""
 
-    task: Literal["calculator", "search", "code"] = Field(
+    task: Literal["calculator", "search", "code", "zoom"] = Field(
         default="calculator",
         description="What the model learns to do with a tool: calculator (arithmetic word "
         "problems, turnrl.calculator_data), search (questions about a generated world, answered "
-        "with the search tool over its corpus, turnrl.search_world) or code (large-number word "
-        "problems, computed with the python tool, turnrl.code_problems).",
+        "with the search tool over its corpus, turnrl.search_world), code (large-number word "
+        "problems, computed with the python tool, turnrl.code_problems) or zoom (digits too "
+        "small to read until the image_zoom tool enlarges them, turnrl.zoom_digits: the model "
+        "is a vision-language model, a Qwen2.5-VL, turnrl_demo.tiny_vlm).",
     )
     vocab_size: int = Field(
         default=1024,
@@ -67,8 +69,9 @@ class TinyModelSettings(StrictModel):
         le=1.0,
         description="Share of the conversations that answer at once, without the tool, with a "
         "guess (calculator: the starting count, right by chance only; search: the town's "
-        "name; code: the problem's first number; both always wrong): a warm start that uses "
-        "the tool only some of the time, for RL to teach it to use the tool every time.",
+        "name; code: the problem's first number; both always wrong; zoom: a digit drawn at "
+        "random): a warm start that uses the tool only some of the time, for RL to teach it to "
+        "use the tool every time.",
     )
     calls_shown: int = Field(
         default=0,

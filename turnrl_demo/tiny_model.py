@@ -46,10 +46,16 @@ from typing import Any
 
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from tool_svc.tools.calculator import CalculatorOptions, CalculatorTool, format_value
+from tool_svc.tools.image_zoom import ImageZoomTool
 from tool_svc.tools.python import PythonTool
 from tool_svc.tools.search import (
     DEFAULT_MAX_TOPK,
@@ -62,9 +68,11 @@ from trainer_svc.config import DEFAULT_JUDGE_RUBRIC
 from trainer_svc.data import ConversationRecord
 from trainer_svc.judge_training import judge_prompt
 from trainer_svc.sft import sft_in_process, tokenize_conversations
-from turnrl import calculator_data, code_problems, search_world
+from turnrl import calculator_data, code_problems, search_world, zoom_digits
 from turnrl.chat_tokens import CHAT_TEMPLATE
 from turnrl.config import cache_dir
+from turnrl.vision import VisionProcessor
+from turnrl_demo import tiny_vlm
 from turnrl_demo.settings import TinyModelSettings
 
 logger = logging.getLogger(__name__)
@@ -107,11 +115,12 @@ def build_tiny_model(
     """
     settings = settings or TinyModelSettings()
     models_dir = models_dir or cache_dir() / "tiny_models"
-    chat_template = CHAT_TEMPLATE.read_text()
+    vision = settings.task == "zoom"
+    chat_template = (tiny_vlm.CHAT_TEMPLATE if vision else CHAT_TEMPLATE).read_text()
     conversations = training_conversations(settings, seed)
     judges = judge_conversations(settings, seed)
     key = _cache_key(settings, seed, chat_template, conversations + judges)
-    name = f"qwen3-{settings.task}-{key}"
+    name = f"{'qwen2.5-vl' if vision else 'qwen3'}-{settings.task}-{key}"
     if (SHIPPED_MODELS_DIR / name).is_dir():
         return SHIPPED_MODELS_DIR / name
     target = models_dir / name
@@ -146,6 +155,15 @@ def training_conversations(settings: TinyModelSettings, seed: int) -> list[list[
             if guesses.random() < settings.guess_share
             else question.messages(answers.__getitem__)
             for question in questions
+        ]
+    if settings.task == "zoom":
+        images = zoom_digits.generate_problems(count, seed=seed, split="train")
+        zoomed = tiny_vlm.zoomed_tool_messages(images)
+        return [
+            image.guess_messages
+            if guesses.random() < settings.guess_share
+            else image.messages(zoomed.__getitem__)
+            for image in images
         ]
     problems = (
         calculator_data.generate_problems(
@@ -245,6 +263,7 @@ def task_tools(settings: TinyModelSettings) -> list[dict[str, Any]]:
         "calculator": calculator_data.CALCULATOR_TOOL["function"],
         "search": search_schema(DEFAULT_MAX_TOPK),
         "code": PythonTool.schema,
+        "zoom": ImageZoomTool.schema,
     }[settings.task]
     return [{"type": "function", "function": schema}]
 
@@ -321,12 +340,14 @@ def _build(
     `folder`."""
     started = time.monotonic()
     logger.info("tiny model: building into %s", folder)
+    vision = settings.task == "zoom"
     tokenizer = _train_tokenizer(
         conversations + judges,
         chat_template,
         task_tools(settings),
         settings.vocab_size,
         settings.max_position_embeddings,
+        list(tiny_vlm.VISION_TOKENS) if vision else [],
     )
     logger.info(
         "tiny model: tokenizer of %d tokens trained in %.1f s",
@@ -337,17 +358,25 @@ def _build(
         ConversationRecord(f"tiny-model-{i}", messages, task_tools(settings))
         for i, messages in enumerate(conversations)
     ] + [ConversationRecord(f"tiny-judge-{i}", messages, None) for i, messages in enumerate(judges)]
-    examples = tokenize_conversations(tokenizer, records, settings.sft.max_length)
     model = _new_model(tokenizer, settings, seed)
+    # The SFT starts from a Hugging Face folder: the new model's, apart from the result.
+    initial = folder / "initial"
+    model.save_pretrained(initial)
+    processor = None
+    if vision:
+        tiny_vlm.save_image_processor(initial)
+        tiny_vlm.save_image_processor(folder)
+        processor = VisionProcessor(initial)
+        accuracy = tiny_vlm.pretrain_vision_tower(model, conversations, processor, seed)
+        logger.info("tiny model: vision tower pretrained, probe accuracy %.2f", accuracy)
+        model.save_pretrained(initial)
+    examples = tokenize_conversations(tokenizer, records, settings.sft.max_length, vision=processor)
     logger.info(
         "tiny model: %d parameters, %d examples of %d tokens on average",
         sum(parameter.numel() for parameter in model.parameters()),
         len(examples),
-        sum(len(ids) for ids, _ in examples) // len(examples),
+        sum(len(example.token_ids) for example in examples) // len(examples),
     )
-    # The SFT starts from a Hugging Face folder: the new model's, apart from the result.
-    initial = folder / "initial"
-    model.save_pretrained(initial)
     models = sft_in_process(
         initial,
         examples,
@@ -385,11 +414,14 @@ def _train_tokenizer(
     tools: list[dict[str, Any]],
     vocab_size: int,
     max_length: int,
+    vision_tokens: list[str],
 ) -> PreTrainedTokenizerFast:
-    """A byte-level BPE over the rendered conversations, wrapped with Qwen2.5's chat tokens."""
+    """A byte-level BPE over the rendered conversations, wrapped with Qwen2.5's chat tokens
+    and, for a vision-language model, its `vision_tokens` (special, after the others)."""
     rendered = render_jinja_template(conversations, tools=tools, chat_template=chat_template)[0]
     # The chat tokens are added whole afterwards; merges are learned on the text between them.
-    chat_tokens = re.compile("|".join(re.escape(token) for token in SPECIAL_TOKENS + TOOL_TOKENS))
+    added = SPECIAL_TOKENS + TOOL_TOKENS + vision_tokens
+    chat_tokens = re.compile("|".join(re.escape(token) for token in added))
     corpus = [piece for text in rendered for piece in chat_tokens.split(text) if piece]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.Sequence(
@@ -400,7 +432,7 @@ def _train_tokenizer(
     )
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS) - len(TOOL_TOKENS),
+        vocab_size=vocab_size - len(added),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -409,11 +441,12 @@ def _train_tokenizer(
     # ordinary added tokens there, so decoding with skip_special_tokens keeps them.
     bpe.add_special_tokens([AddedToken(token, special=True) for token in SPECIAL_TOKENS])
     bpe.add_tokens([AddedToken(token, special=False, normalized=False) for token in TOOL_TOKENS])
+    bpe.add_special_tokens([AddedToken(token, special=True) for token in vision_tokens])
     return PreTrainedTokenizerFast(
         tokenizer_object=bpe,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        additional_special_tokens=["<|im_start|>", "<|im_end|>", *vision_tokens],
         chat_template=chat_template,
         model_max_length=max_length,
         clean_up_tokenization_spaces=False,
@@ -422,7 +455,11 @@ def _train_tokenizer(
 
 def _new_model(
     tokenizer: PreTrainedTokenizerFast, settings: TinyModelSettings, seed: int
-) -> Qwen3ForCausalLM:
+) -> Qwen3ForCausalLM | Qwen2_5_VLForConditionalGeneration:
+    """A random Qwen3 of the settings' shape, or for the zoom task a Qwen2.5-VL."""
+    if settings.task == "zoom":
+        config = tiny_vlm.vision_model_config(tokenizer, settings)
+        return _seeded_model(Qwen2_5_VLForConditionalGeneration, config, tokenizer, seed)
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=settings.hidden_size,
@@ -438,9 +475,14 @@ def _new_model(
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
+    return _seeded_model(Qwen3ForCausalLM, config, tokenizer, seed)
+
+
+def _seeded_model(model_class: type, config: Any, tokenizer: PreTrainedTokenizerFast, seed: int):
+    """`model_class(config)` initialised from `seed`, generating until the tokenizer's EOS."""
     with torch.random.fork_rng():  # the caller's random state is left as it was
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
+        model = model_class(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model

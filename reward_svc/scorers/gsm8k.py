@@ -16,8 +16,13 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from reward_svc.scorers.base import Score, ScoringRequest
+from turnrl import zoom_digits
 
-DATA_SOURCES = ("openai/gsm8k", "gsm8k")
+DATA_SOURCES = (
+    "openai/gsm8k",
+    "gsm8k",
+    zoom_digits.DATA_SOURCE,  # the CPU image task's generated problems: "#### <digit>"
+)
 METHODS = ("strict", "flexible")
 # verl's cut-off: a response that runs on this far past its answer is not credited.
 SEARCHED_TAIL_CHARS = 300

@@ -14,7 +14,20 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from turnrl.errors import FailedPreconditionError, InvalidArgumentError
+from turnrl.images import LoadedImage
+from turnrl.vision import ProcessedImage
 from turnrl.weights import BucketedWeights, LoraAdapter, TensorMeta
+
+
+@dataclass(frozen=True)
+class EngineImage:
+    """An image among a request's tokens: the index of its first token, its bytes (for an
+    engine that processes images itself) and what turnrl's processor made of them (its
+    patches, grid and token count, which the ids were expanded by)."""
+
+    token_offset: int
+    image: LoadedImage
+    processed: ProcessedImage
 
 
 @dataclass(frozen=True)
@@ -128,11 +141,14 @@ class Engine(Protocol):
         request_id: str,
         session_id: str = "",
         *,
+        images: Sequence[EngineImage] = (),
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerateOutput:
         """Samples a continuation of `input_ids`. Requests of one `session_id` (one trajectory)
         extend each other; an engine may keep the session's KV cache between them and
         recompute only the new suffix. A prompt that `check_prompt` refuses is refused.
+        `images` are the images among `input_ids`, in order (a vision-language model's); an
+        engine that cannot take them refuses them with InvalidArgumentError.
 
         `on_tokens` is called on the caller's event loop with each run of newly sampled ids,
         before generate returns: the runs, joined in order, are the output's `output_ids`.

@@ -36,14 +36,17 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from rollout_svc.engines.base import (
+    EngineImage,
     FinishReason,
     GenerateOutput,
     SamplingParams,
     broken_push_error,
 )
 from rollout_svc.engines.hf_cache import Kv, SessionKvStore
-from rollout_svc.engines.hf_compute import ModelRunner, Request, load_model
+from rollout_svc.engines.hf_compute import ModelRunner, load_model
 from rollout_svc.engines.hf_options import HfEngineOptions, validate_request
+from rollout_svc.engines.hf_request import Request
+from rollout_svc.engines.hf_vision import check_images
 from rollout_svc.engines.stop_strings import ends_on_stop_string
 from turnrl.errors import AlreadyExistsError, FailedPreconditionError, UnavailableError
 from turnrl.weights import BucketedWeights, LoraAdapter, TensorMeta
@@ -163,15 +166,19 @@ class HfEngine:
         request_id: str,
         session_id: str = "",
         *,
+        images: Sequence[EngineImage] = (),
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerateOutput:
         """Samples a continuation of `input_ids` (see the `Engine` protocol), calling
         `on_tokens` with each id as the step that samples it ends. Raises
-        InvalidArgumentError for an empty or too long prompt, an id outside the vocabulary or a
-        bad sampling value; AlreadyExistsError when `request_id` is running; FailedPrecondition
+        InvalidArgumentError for an empty or too long prompt, an id outside the vocabulary, a
+        bad sampling value, images for a text model or off their tokens; AlreadyExistsError
+        when `request_id` is running; FailedPrecondition
         after close(), and `broken_push_error` while a weight update is incomplete (also for
         a request in flight when it broke off). Cancelling the call aborts the request."""
         validate_request(input_ids, sampling, self._runner.vocab_size, self._max_model_len)
+        if images:
+            check_images(input_ids, images, self._runner.image_token_id)
         loop = asyncio.get_running_loop()
         greedy = sampling.temperature == 0
         seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63)
@@ -187,6 +194,7 @@ class HfEngine:
             future=loop.create_future(),
             loop=loop,
             on_tokens=on_tokens,
+            images=list(images),
         )
         with self._lock:
             if self._closed:
@@ -438,16 +446,14 @@ class HfEngine:
         self._runner.batch.extend(list(zip(admitted, kvs, strict=True)))
 
     def _take_session_kv(self, request: Request) -> None:
-        """Reuses the session's KV over the longest common prefix with this request's tokens,
-        leaving at least one token to compute (its logits pick the first new token)."""
+        """Reuses the session's KV over the longest common prefix with this request's tokens
+        and images, leaving at least one token to compute (its logits pick the first new
+        token)."""
         with self._lock:
             entry = self._sessions.pop(request.session_id)
         if entry is None:
             return
-        limit = min(len(entry.token_ids), len(request.token_ids) - 1)
-        reused = next(
-            (i for i in range(limit) if entry.token_ids[i] != request.token_ids[i]), limit
-        )
+        reused = entry.shared_prefix(request.token_ids[:-1], request.image_keys)
         if reused == 0:
             return
         request.reused_kv = [
@@ -495,7 +501,9 @@ class HfEngine:
         with self._lock:
             self._requests.pop(request.request_id, None)
             if kv is not None and request.session_id and not isinstance(outcome, Exception):
-                self._sessions.put(request.session_id, request.token_ids[: request.kv_len], kv)
+                covered = request.token_ids[: request.kv_len]
+                images = tuple(key for key in request.image_keys if key[0] < request.kv_len)
+                self._sessions.put(request.session_id, covered, kv, images)
         result = outcome if isinstance(outcome, Exception) else request.output(outcome)
         self._outbox.append((request.loop, request.future, result))
 
@@ -543,6 +551,8 @@ class HfEngine:
         self._waiting.extendleft(reversed(self._runner.batch.clear()))
         for request in self._waiting:
             request.kv_len, request.reused_kv = 0, None
+            if request.vision is not None:
+                request.vision.forget_features()  # the old vision tower's
 
     def _publish_stats(self) -> None:
         with self._lock:

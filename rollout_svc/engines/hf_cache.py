@@ -36,6 +36,21 @@ class _SessionKv:
     token_ids: list[int]  # the tokens the KV covers
     kv: Kv
     nbytes: int
+    # (first token, bytes' SHA-256) of each image among them: alike image tokens of two
+    # images are not one prefix.
+    images: tuple[tuple[int, str], ...] = ()
+
+    def shared_prefix(self, token_ids: list[int], images: tuple[tuple[int, str], ...]) -> int:
+        """How many first tokens of `token_ids` (holding `images`) this KV covers as they are:
+        up to the first token or the first image that differs."""
+        limit = min(len(self.token_ids), len(token_ids))
+        shared = next((i for i in range(limit) if self.token_ids[i] != token_ids[i]), limit)
+        for mine, theirs in zip(self.images, images, strict=False):
+            if mine != theirs:
+                return min(shared, mine[0], theirs[0])
+        # An image beyond the other's last one starts where the shared tokens stop being so.
+        extra = self.images[len(images) :] or images[len(self.images) :]
+        return min(shared, extra[0][0]) if extra else shared
 
 
 class SessionKvStore:
@@ -50,9 +65,15 @@ class SessionKvStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, session_id: str, token_ids: list[int], kv: Kv) -> None:
+    def put(
+        self,
+        session_id: str,
+        token_ids: list[int],
+        kv: Kv,
+        images: tuple[tuple[int, str], ...] = (),
+    ) -> None:
         self.pop(session_id)
-        entry = _SessionKv(token_ids, kv, kv_bytes(kv))
+        entry = _SessionKv(token_ids, kv, kv_bytes(kv), images)
         self._entries[session_id] = entry
         self.nbytes += entry.nbytes
         while self.nbytes > self._budget_bytes:

@@ -1,5 +1,6 @@
 """The hf engine's model compute: loading the model, the running batch's KV and decode forward,
-batched prefill, sampling, and the weights' layout and updates. All of it runs on the engine's
+batched prefill (a vision-language model's on its images too: `hf_vision`), sampling (by
+`hf_request.next_tokens`), and the weights' layout and updates. All of it runs on the engine's
 worker thread, but for what the event loop reads: the vocabulary size, the EOS ids, the device
 and the parameter shapes (`ModelRunner.check_shapes`), none of which a forward changes.
 
@@ -11,19 +12,18 @@ prefill batch pads the other way round, each row's cached prefix left and its ne
 so its tokens are contiguous and every query attends to at least itself.
 """
 
-import asyncio
-import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 
 import torch
 from peft import LoraConfig, inject_adapter_in_model
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from rollout_svc.engines.base import FinishReason, GenerateOutput, SamplingParams
 from rollout_svc.engines.hf_cache import BatchKv, Kv
+from rollout_svc.engines.hf_request import Request, next_tokens
+from rollout_svc.engines.hf_vision import RequestVision, prefill_inputs
 from turnrl.errors import FailedPreconditionError, InvalidArgumentError
+from turnrl.vision import model_class
 from turnrl.weights import PEFT_PREFIX, BucketedWeights, LoraAdapter, TensorMeta
 
 # Requests admitted together whose prompts start alike (a system prompt) compute the common
@@ -31,49 +31,11 @@ from turnrl.weights import PEFT_PREFIX, BucketedWeights, LoraAdapter, TensorMeta
 MIN_SHARED_PREFIX_TOKENS = 32
 
 
-@dataclass(eq=False)
-class Request:
-    """One generate() call: its inputs, its future, and its state in the worker."""
-
-    request_id: str
-    session_id: str
-    sampling: SamplingParams
-    stop_token_ids: frozenset[int]
-    token_ids: list[int]  # prompt + output so far
-    prompt_len: int
-    generator: torch.Generator | None  # None: greedy
-    future: asyncio.Future[GenerateOutput]
-    loop: asyncio.AbstractEventLoop
-    on_tokens: Callable[[list[int]], None] | None = None  # called on `loop` per sampled id
-    submitted_at: float = field(default_factory=time.monotonic)
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    policy_versions: list[int] = field(default_factory=list)
-    kv_len: int = 0  # leading token_ids whose KV the worker holds for this request
-    reused_kv: Kv | None = None  # KV of token_ids[:kv_len] found at admission, not yet batched
-    cached_prompt_tokens: int = 0
-    computed_prompt_tokens: int = 0  # prefill tokens run through the model, recomputes included
-
-    def output(self, finish_reason: FinishReason) -> GenerateOutput:
-        """What generate() returns for this request, ended for `finish_reason`."""
-        return GenerateOutput(
-            output_ids=self.output_ids,
-            logprobs=self.logprobs,
-            policy_versions=self.policy_versions,
-            finish_reason=finish_reason,
-            metrics={
-                "prompt_tokens": self.prompt_len,
-                "cached_prompt_tokens": self.cached_prompt_tokens,
-                "computed_prompt_tokens": self.computed_prompt_tokens,
-                "latency_seconds": time.monotonic() - self.submitted_at,
-            },
-        )
-
-
 def load_model(model_path: str, dtype: str, device: str) -> PreTrainedModel:
-    """The causal LM in `model_path`, on `device` in eval mode. Raises InvalidArgumentError for
-    a model whose cache is not plain full attention (the only kind `BatchKv` holds)."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    """The causal LM in `model_path` (a vision-language one with its vision tower), on
+    `device` in eval mode. Raises InvalidArgumentError for a model whose cache is not plain
+    full attention (the only kind `BatchKv` holds)."""
+    model = model_class(model_path).from_pretrained(model_path, dtype=getattr(torch, dtype))
     model = model.to(device).eval()
     layer_types = {type(layer).__name__ for layer in DynamicCache(config=model.config).layers}
     if layer_types != {DynamicLayer.__name__}:
@@ -88,7 +50,8 @@ def eos_token_ids(model: PreTrainedModel) -> frozenset[int]:
     """EOS ids from the model's config and generation config (the latter lists the chat
     template's end-of-turn token too, e.g. Qwen's <|im_end|>)."""
     ids: set[int] = set()
-    for value in (model.config.eos_token_id, model.generation_config.eos_token_id):
+    text_config = model.config.get_text_config()  # a VLM's is the text model's
+    for value in (text_config.eos_token_id, model.generation_config.eos_token_id):
         if value is not None:
             ids.update([value] if isinstance(value, int) else value)
     return frozenset(ids)
@@ -158,10 +121,12 @@ class RunningBatch:
         attention_mask = (
             torch.arange(width + 1, device=device)[None, :] >= (width - kv_lens)[:, None]
         )
+        # Past its images a token's position is the same on M-RoPE's three axes.
+        deltas = torch.tensor([request.rope_delta for request in self.requests], device=device)
         output = self._model(
             input_ids=torch.tensor([[r.token_ids[-1]] for r in self.requests], device=device),
             attention_mask=attention_mask,
-            position_ids=kv_lens[:, None],
+            position_ids=(kv_lens + deltas)[:, None],
             cache=self._kv.cache,
             use_cache=True,
         )
@@ -176,6 +141,7 @@ class ModelRunner:
     def __init__(self, model: PreTrainedModel, max_batch_size: int, max_model_len: int):
         self.model = model
         self.eos_token_ids = eos_token_ids(model)
+        self.image_token_id: int | None = getattr(model.config, "image_token_id", None)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.batch = RunningBatch(model, max_batch_size, max_model_len)
         self.policy_version = 0
@@ -191,6 +157,9 @@ class ModelRunner:
         """Computes the KV of each request's tokens but the last, after the session KV it
         reuses, in one forward; returns each one's KV (None: no tokens before its last). The
         decode step feeds the last token and samples the first new one from its logits."""
+        for request in requests:
+            if request.images and request.vision is None:
+                request.vision = RequestVision(self.model, request.token_ids, request.images)
         self._share_prompt_prefix(requests)
         kvs = [request.reused_kv for request in requests]
         for request in requests:
@@ -203,6 +172,7 @@ class ModelRunner:
             computed_kvs = self._prefill_forward(
                 [kvs[row] for row in rows],
                 [requests[row].token_ids[requests[row].kv_len : -1] for row in rows],
+                [requests[row].vision for row in rows],
             )
             for row, kv in zip(rows, computed_kvs, strict=True):
                 kvs[row] = kv
@@ -210,9 +180,16 @@ class ModelRunner:
             request.kv_len = len(request.token_ids) - 1
         return kvs
 
-    def _prefill_forward(self, past_kvs: list[Kv | None], new_ids: list[list[int]]) -> list[Kv]:
+    def _prefill_forward(
+        self,
+        past_kvs: list[Kv | None],
+        new_ids: list[list[int]],
+        visions: list[RequestVision | None] | None = None,
+    ) -> list[Kv]:
         """Runs `new_ids[i]` after the KV `past_kvs[i]` (None: none) for every row i in one
-        forward; returns each row's KV, past and new, as views of one batch cache.
+        forward; returns each row's KV, past and new, as views of one batch cache. A row with
+        images (its `visions[i]`) runs on its input embeddings and 3-D positions
+        (`hf_vision`), and then every row does.
 
         Row i holds its past left-padded to the longest past and its new tokens right-padded,
         so its KV is one run of columns; the right padding is invisible to it (causal)."""
@@ -231,12 +208,16 @@ class ModelRunner:
         is_past = torch.arange(past_width, device=device)[None, :] >= past_width - past
         # Padding gets position 0, a position every model has.
         position_ids = torch.where(is_new, past + torch.arange(new_width, device=device), 0)
+        padded_ids = torch.tensor(
+            [ids + [0] * (new_width - len(ids)) for ids in new_ids], device=device
+        )
+        if visions is not None and any(visions):
+            inputs = prefill_inputs(self.model, padded_ids, past_lens, new_lens, visions)
+        else:
+            inputs = {"input_ids": padded_ids, "position_ids": position_ids}
         self.model(
-            input_ids=torch.tensor(
-                [ids + [0] * (new_width - len(ids)) for ids in new_ids], device=device
-            ),
+            **inputs,
             attention_mask=torch.cat([is_past, is_new], dim=1),
-            position_ids=position_ids,
             cache=cache.cache,
             use_cache=True,
             logits_to_keep=1,
@@ -260,6 +241,8 @@ class ModelRunner:
         shared = min(
             _common_prefix_len([request.token_ids for request in fresh]),
             *(len(request.token_ids) - 1 for request in fresh),
+            # Image tokens are alike whatever the image: what they share ends at the first.
+            *(request.images[0].token_offset for request in fresh if request.images),
         )
         if shared >= MIN_SHARED_PREFIX_TOKENS:
             (kv,) = self._prefill_forward([None], [fresh[0].token_ids[:shared]])
@@ -267,9 +250,10 @@ class ModelRunner:
             for request in fresh:
                 request.reused_kv = kv
                 request.kv_len = request.cached_prompt_tokens = shared
-        same_prompt: dict[tuple[int, ...], list[Request]] = {}
+        same_prompt: dict[tuple, list[Request]] = {}
         for request in fresh:
-            same_prompt.setdefault(tuple(request.token_ids), []).append(request)
+            key = (tuple(request.token_ids), request.image_keys)
+            same_prompt.setdefault(key, []).append(request)
         groups = [
             group
             for group in same_prompt.values()
@@ -280,6 +264,7 @@ class ModelRunner:
         kvs = self._prefill_forward(
             [group[0].reused_kv for group in groups],
             [group[0].token_ids[group[0].kv_len : -1] for group in groups],
+            [group[0].vision for group in groups],
         )
         for group, kv in zip(groups, kvs, strict=True):
             self.counters["prefill_tokens"] += len(group[0].token_ids) - 1 - group[0].kv_len
@@ -433,87 +418,3 @@ def _common_prefix_len(sequences: list[list[int]]) -> int:
     return next(
         (i for i, (a, b) in enumerate(zip(first, last, strict=False)) if a != b), len(first)
     )
-
-
-def next_tokens(
-    logits: torch.Tensor, requests: list[Request]
-) -> tuple[torch.Tensor, dict[int, Exception]]:
-    """The next token of each request (row of float32 logits) under its sampling params, all
-    rows at once: repetition penalty, then greedy argmax or temperature, top-k, top-p and
-    min-p sampling, each request drawing from its own generator (one uniform number a token,
-    so its samples do not depend on its batch mates). Returns the tokens, and by row the
-    FailedPreconditionError of each request that leaves nothing to sample (NaN weights)."""
-    failed: dict[int, Exception] = {}
-    for row in logits.isnan().any(1).nonzero()[:, 0].tolist():
-        failed[row] = FailedPreconditionError(
-            f"request {requests[row].request_id!r}: the model's logits are NaN (were NaN "
-            "weights loaded?)"
-        )
-    penalized = [row for row, r in enumerate(requests) if r.sampling.repetition_penalty != 1.0]
-    if penalized:
-        logits = logits.clone()
-        for row in penalized:
-            logits[row] = _penalize_repetition(logits[row], requests[row])
-    tokens = logits.argmax(-1)
-    sampled = [row for row, r in enumerate(requests) if r.generator is not None]
-    if sampled:
-        index = torch.tensor(sampled, device=logits.device)
-        probs = _filtered_probs(logits[index], [requests[row].sampling for row in sampled])
-        cdf = probs.cumsum(-1)
-        generators = [requests[row].generator for row in sampled]
-        uniform = torch.cat([torch.rand(1, generator=g, device=g.device) for g in generators])
-        drawn = torch.searchsorted(cdf, (uniform.to(cdf) * cdf[:, -1])[:, None], right=True)
-        # A draw rounded up to the total mass lands past the end: the likeliest token then.
-        drawn = torch.where(drawn[:, 0] < probs.shape[1], drawn[:, 0], probs.argmax(-1))
-        tokens[index] = drawn
-        totals = cdf[:, -1]
-        for position in (~(totals.isfinite() & (totals > 0))).nonzero()[:, 0].tolist():
-            row = sampled[position]
-            if row not in failed:
-                failed[row] = FailedPreconditionError(
-                    f"request {requests[row].request_id!r}: no token left to sample (every "
-                    "logit is -inf?)"
-                )
-    return tokens, failed
-
-
-def _penalize_repetition(logits: torch.Tensor, request: Request) -> torch.Tensor:
-    """One row's logits with the repetition penalty on the tokens seen so far (HF's rule:
-    positive scores divided by it, negative ones multiplied)."""
-    penalty = request.sampling.repetition_penalty
-    seen = torch.tensor(request.token_ids, device=logits.device)
-    scores = logits.gather(0, seen)
-    penalized = torch.where(scores > 0, scores / penalty, scores * penalty)
-    # A penalty near 0 (or above 1e38) overflows a score to infinity; clamped, it stays the most
-    # (least) likely token instead of turning the softmax into NaN.
-    finite = torch.finfo(logits.dtype)
-    return logits.scatter(0, seen, penalized.clamp(finite.min, finite.max))
-
-
-def _filtered_probs(logits: torch.Tensor, sampling: list[SamplingParams]) -> torch.Tensor:
-    """Each row's sampling distribution, unnormalised: softmax at its temperature, then its
-    top-k, top-p and min-p filters (each off at its neutral value), zeros where filtered."""
-
-    def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=logits.dtype, device=logits.device)[:, None]
-
-    temperature = column([s.temperature for s in sampling])
-    # Shifted so the best logit is 0 before dividing: a temperature near 0 then sends the others
-    # to -inf (greedy in the limit) instead of every logit to +-inf and NaN.
-    probs = torch.softmax((logits - logits.max(-1, keepdim=True).values) / temperature, dim=-1)
-    vocab = probs.shape[1]
-    top_k = [s.top_k if 0 < s.top_k < vocab else vocab for s in sampling]
-    top_p = [s.top_p for s in sampling]
-    if min(top_k) < vocab or min(top_p) < 1.0:
-        sorted_probs, order = probs.sort(-1, descending=True)
-        kth = sorted_probs.gather(1, torch.tensor(top_k, device=probs.device)[:, None] - 1)
-        sorted_probs = torch.where(sorted_probs >= kth, sorted_probs, 0.0)
-        # Keep the smallest head whose mass reaches top_p: drop a token once the mass before it
-        # does.
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        nucleus = column(top_p)
-        dropped = (mass_before >= nucleus * sorted_probs.sum(-1, keepdim=True)) & (nucleus < 1.0)
-        sorted_probs = torch.where(dropped, 0.0, sorted_probs)
-        probs = torch.zeros_like(probs).scatter(1, order, sorted_probs)
-    min_p = column([s.min_p for s in sampling])
-    return torch.where(probs >= min_p * probs.max(-1, keepdim=True).values, probs, 0.0)

@@ -37,6 +37,12 @@ step. Request and reply shapes are `sglang_api`'s.
   name of its version; every later `/generate` names it as `lora_path`, and its tokens carry
   that version (the server's `weight_version` counts whole-weight updates only). The adapter
   it replaces is unloaded with `/unload_lora_adapter` (`ServerEngine.load_lora_adapter`).
+- Images (a vision-language model's): sent with the request as `image_data`, their encoded
+  bytes, which the server processes itself (its processor, not turnrl's PIL one: pixel values
+  may differ in the last bits); each image's run of tokens goes as one pad, which 0.5.23
+  expands by its own count, and the prompt it made (`return_prompt_token_ids`) must equal
+  turnrl's (`server_images`). A session's requests carry all its images so far: the prompt is
+  whole each time.
 - Calls, their deadlines and retries, and how failures map onto turnrl errors: `engine_http`.
 """
 
@@ -49,6 +55,7 @@ import torch
 from pydantic import Field
 
 from rollout_svc.engines.base import (
+    EngineImage,
     FinishReason,
     GenerateOutput,
     SamplingParams,
@@ -57,6 +64,7 @@ from rollout_svc.engines.base import (
 from rollout_svc.engines.engine_http import EngineHttp
 from rollout_svc.engines.server_engine import ServerEngine, token_policy_versions
 from rollout_svc.engines.server_engine_options import ServerEngineOptions, ServerLoraOptions
+from rollout_svc.engines.server_images import check_served_prompt, one_pad_per_image
 from rollout_svc.engines.server_process import start_server
 from rollout_svc.engines.sglang_api import (
     SCHEDULER_RESERVED_TOKENS,
@@ -197,19 +205,22 @@ class SglangEngine(ServerEngine):
         request_id: str,
         session_id: str = "",
         *,
+        images: Sequence[EngineImage] = (),
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerateOutput:
         """Samples a continuation of `input_ids` (`session_id` is not needed: see the module
         docstring); `on_tokens` gets the whole output at once, as the server does not stream
         it. When the deadline passes or the caller cancels, the server is told to
-        abort the request before the error propagates.
+        abort the request before the error propagates. `images` go as `image_data` (their
+        bytes: the server processes them itself), each image's tokens as one pad, which the
+        server expands; the prompt it made is checked against ours (`server_images`).
 
         Raises InvalidArgumentError for empty `input_ids` or a prompt longer than the server
         admits (at most max_model_len - 1 tokens), a `request_id` already running, or a
         request the server refuses with HTTP 400 (sampling values out of its ranges);
-        FailedPreconditionError
-        (`broken_push_error`) while the weights are incomplete, also for a request in flight
-        when a weight update broke off.
+        FailedPreconditionError (`broken_push_error`) while the weights are incomplete, also
+        for a request in flight when a weight update broke off, and when the server expanded
+        the images to other tokens than turnrl's processor.
         """
         self._check_weights_complete()
         check_prompt(input_ids, self._max_model_len)
@@ -224,12 +235,15 @@ class SglangEngine(ServerEngine):
         room = self._max_model_len - len(input_ids)
         body = {
             "rid": sglang_rid(request_id),
-            "input_ids": list(input_ids),
+            "input_ids": one_pad_per_image(input_ids, images),
             "sampling_params": sampling_params(sampling, min(sampling.max_new_tokens, room)),
             "return_logprob": True,
             "logprob_start_len": -1,  # logprobs of the output tokens only
             "stream": False,
         }
+        if images:
+            body["image_data"] = [image.image.data_url() for image in images]
+            body["return_prompt_token_ids"] = True  # to check its expansion against ours
         adapter = self.adapter  # the request keeps it to its end, pushes or not
         if adapter is not None:
             body["lora_path"] = adapter[0]
@@ -244,7 +258,10 @@ class SglangEngine(ServerEngine):
         finally:
             self._running.discard(request_id)
         self._check_weights_complete()  # its tokens would span weights of two versions
-        meta = self._http.parse(reply, GenerateReply).meta_info
+        parsed = self._http.parse(reply, GenerateReply)
+        if images:
+            check_served_prompt(self._http.name, parsed.prompt_token_ids, input_ids, images)
+        meta = parsed.meta_info
         output = GenerateOutput(
             output_ids=[token_id for _, token_id, _ in meta.output_token_logprobs],
             logprobs=[logprob for logprob, _, _ in meta.output_token_logprobs],

@@ -38,6 +38,8 @@ class MetaInfo(BaseModel):
 
 class GenerateReply(BaseModel):
     meta_info: MetaInfo
+    # The prompt as the server expanded it (`return_prompt_token_ids`: sent with images).
+    prompt_token_ids: list[int] | None = None
 
 
 class ModelInfo(BaseModel):

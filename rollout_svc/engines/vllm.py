@@ -36,6 +36,11 @@ are `vllm_api`'s.
   `/v1/unload_lora_adapter` (`ServerEngine.load_lora_adapter`), which in vLLM 0.32 only
   forgets its name (entrypoints/openai/models/serving.py): its workers evict it once a newer
   one needs its slot (`--max-loras 2`, least recently used first).
+- Images (a vision-language model's): sent with the request as `content_parts`, their encoded
+  bytes, which the server processes itself (vLLM's processor, not turnrl's PIL one: pixel
+  values may differ in the last bits); each image's run of tokens goes as one pad, which vLLM
+  expands by its own count, and the prompt it made (`return_token_ids`) must equal turnrl's
+  (`server_images`). A session's requests carry all its images so far.
 - Seeds: a request's sampling seed reaches a GPU server only; vLLM 0.32's CPU worker dies on
   a seeded request whose prefill is split over steps (`create`).
 - Calls, their deadlines and retries, and how failures map onto turnrl errors: `engine_http`.
@@ -44,12 +49,13 @@ are `vllm_api`'s.
 import asyncio
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Self
 
 from pydantic import Field
 
 from rollout_svc.engines.base import (
+    EngineImage,
     FinishReason,
     GenerateOutput,
     SamplingParams,
@@ -58,6 +64,7 @@ from rollout_svc.engines.base import (
 from rollout_svc.engines.engine_http import EngineHttp
 from rollout_svc.engines.server_engine import ServerEngine, token_policy_versions
 from rollout_svc.engines.server_engine_options import ServerEngineOptions, ServerLoraOptions
+from rollout_svc.engines.server_images import check_served_prompt, one_pad_per_image
 from rollout_svc.engines.server_process import start_server
 from rollout_svc.engines.vllm_api import (
     GENERATE_ID_PREFIX,
@@ -242,6 +249,7 @@ class VllmEngine(ServerEngine):
         request_id: str,
         session_id: str = "",
         *,
+        images: Sequence[EngineImage] = (),
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerateOutput:
         """Samples a continuation of `input_ids` (`session_id` is not needed: see the module
@@ -249,17 +257,29 @@ class VllmEngine(ServerEngine):
         it. When the deadline passes or the caller cancels, the server is told to
         abort the request before the error propagates.
 
+        `images` go as `content_parts` (their bytes: the server processes them itself), each
+        image's tokens as one pad, which the server expands; the prompt it made is checked
+        against ours (`server_images`).
+
         Raises InvalidArgumentError for empty `input_ids` or a prompt of max_model_len tokens
         or more, a `request_id` already running, or a request the server rejects (ids outside
         the vocabulary); FailedPreconditionError (`broken_push_error`) while the weights are
-        incomplete, also for a request in flight when a weight update broke off.
+        incomplete, also for a request in flight when a weight update broke off, and when the
+        server expanded the images to other tokens than turnrl's processor.
         """
         self._check_weights_complete()
         check_prompt(input_ids, self._max_model_len)
         if request_id in self._running:
             raise InvalidArgumentError(f"request_id {request_id!r} is already running")
         sent_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
-        body = generate_body(list(input_ids), sampling, sent_id, self._with_seed)
+        body = generate_body(
+            one_pad_per_image(input_ids, images), sampling, sent_id, self._with_seed
+        )
+        if images:
+            body["content_parts"] = [
+                {"type": "image_url", "url": image.image.data_url()} for image in images
+            ]
+            body["return_token_ids"] = True  # to check its expansion against ours
         adapter = self.adapter  # the request keeps it to its end, pushes or not
         if adapter is not None:
             body["model"] = adapter[0]
@@ -278,6 +298,8 @@ class VllmEngine(ServerEngine):
             del self._running[request_id]
         self._check_weights_complete()  # its tokens would span weights of two versions
         parsed = self._http.parse(reply, GenerateReply)
+        if images:
+            check_served_prompt(self._http.name, parsed.prompt_token_ids, input_ids, images)
         choice = parsed.choices[0]
         output = GenerateOutput(
             output_ids=[entry.token_id for entry in choice.logprobs.content],

@@ -45,6 +45,8 @@ class Usage(BaseModel):
 class GenerateReply(BaseModel):
     choices: list[GenerateChoice]
     usage: Usage | None = None
+    # The prompt after the server expanded its images (`return_token_ids`: sent with images).
+    prompt_token_ids: list[int] | None = None
 
 
 class ServedModel(BaseModel):

@@ -1,6 +1,7 @@
 """The gateway's replies in OpenAI's wire format: a `chat.completion`, the `chat.completion.chunk`
 events of a stream, errors, the model list; and a session's trajectory as JSON."""
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -153,7 +154,8 @@ def event(body: dict[str, Any] | str) -> str:
 def trajectory_json(trajectory: Trajectory) -> dict[str, Any]:
     """A session's trajectory: ids, masks, the engine's logprob per token (0 outside the loss),
     the policy version of each model segment, the segments, the [start, end) token positions
-    of each part (history.py) and the messages."""
+    of each part (history.py), the messages (each image a data URL) and the images' records
+    (where each one's tokens are, its bytes' SHA-256 and its processed grid)."""
     return {
         "trajectory_id": trajectory.trajectory_id,
         "finish_reason": trajectory.finish_reason.name.lower()
@@ -175,6 +177,7 @@ def trajectory_json(trajectory: Trajectory) -> dict[str, Any]:
         ],
         "parts": trajectory.parts,
         "messages": trajectory.messages,
+        "images": [dataclasses.asdict(image) for image in trajectory.images],
         "metrics": trajectory.metrics,
     }
 

@@ -5,17 +5,26 @@ Unknown fields are refused, as OpenAI refuses them. OpenAI fields the gateway ca
 accepted only at the value that changes nothing (`frequency_penalty: 0`), so a request never
 runs other than it asked. `stop` takes up to 4 non-empty strings of any length: the engine ends
 the turn after the token that completes one, keeps that token, and the content stops before it.
+
+User and tool messages may hold `image_url` parts (`detail` only "auto"): a `data:` URL, or a
+`file:` URL under the rollout service's `images.file_dirs`, read and checked by turnrl.images
+against its `images` limits (`load_images`); the messages then carry each image as the data URL
+of its checked bytes, so a history sent back matches by the images' bytes.
 """
 
 import json
-from typing import Any, Literal
+from collections.abc import Iterator, Sequence
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from turnrl.errors import InvalidArgumentError
+from turnrl.images import ImageSettings, LoadedImage, load_image
+from turnrl.v1 import common_pb2
 
 MAX_STOP_SEQUENCES = 4
 MAX_CHOICES = 128  # OpenAI's bound on `n`
+IMAGE_ROLES = ("user", "tool")  # a model writes text, and a system prompt is text
 
 
 class RequestFieldError(InvalidArgumentError):
@@ -46,12 +55,26 @@ class TextPart(_Model):
     text: str
 
 
+class ImageURL(_Model):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # only "auto": `check_supported`
+
+
+class ImagePart(_Model):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class ChatMessage(_Model):
     """One message of `messages`; assistant messages may carry `tool_calls`, tool messages
-    `tool_call_id`. `refusal` is accepted as null: the SDKs send back what they received."""
+    `tool_call_id`, user and tool messages images. `refusal` is accepted as null: the SDKs send
+    back what they received."""
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -124,6 +147,20 @@ class ChatCompletionRequest(_Model):
             raise RequestFieldError(f"stop has {len(stops)} entries; at most 4", "stop")
         if "" in stops:
             raise RequestFieldError(f"stop {stops!r} holds an empty string", "stop")
+        for index, position, part in self.image_parts():
+            where = f"messages[{index}].content[{position}]"
+            if self.messages[index].role not in IMAGE_ROLES:
+                raise RequestFieldError(
+                    f"{where}: an image in a {self.messages[index].role!r} message; images go "
+                    f"in {list(IMAGE_ROLES)} messages",
+                    f"messages.{index}.content.{position}",
+                )
+            if part.image_url.detail not in (None, "auto"):
+                raise RequestFieldError(
+                    f"{where}.image_url.detail {part.image_url.detail!r} is not supported; "
+                    "'auto' (the model's processor sizes every image by its own rule)",
+                    f"messages.{index}.content.{position}.image_url.detail",
+                )
 
     @property
     def choices(self) -> int:
@@ -146,10 +183,45 @@ class ChatCompletionRequest(_Model):
             return None
         return self._tools_as_sent or [tool.model_dump(exclude_none=True) for tool in self.tools]
 
-    def message_dicts(self) -> list[dict[str, Any]]:
+    def image_parts(self) -> list[tuple[int, int, ImagePart]]:
+        """Each image part of the messages, in order, with the index of its message and its
+        index in that message's content."""
+        return [
+            (index, position, part)
+            for index, message in enumerate(self.messages)
+            if isinstance(message.content, list)
+            for position, part in enumerate(message.content)
+            if isinstance(part, ImagePart)
+        ]
+
+    def load_images(self, settings: ImageSettings) -> list[LoadedImage]:
+        """The images of the messages, in order, read and checked against `settings`
+        (turnrl.images). Raises RequestFieldError naming the part of one that fails, or the
+        first part past `max_images`."""
+        parts = self.image_parts()
+        if len(parts) > settings.max_images:
+            index, position, _ = parts[settings.max_images]
+            raise RequestFieldError(
+                f"messages hold {len(parts)} images; at most max_images={settings.max_images} "
+                f"(the first over the limit: messages[{index}].content[{position}])",
+                f"messages.{index}.content.{position}",
+            )
+        images = []
+        for index, position, part in parts:
+            image = common_pb2.Image(url=part.image_url.url)
+            where = f"messages[{index}].content[{position}]"
+            try:
+                images.append(load_image(image, settings, where))
+            except InvalidArgumentError as e:
+                raise RequestFieldError(str(e), f"messages.{index}.content.{position}") from None
+        return images
+
+    def message_dicts(self, images: Sequence[LoadedImage]) -> list[dict[str, Any]]:
         """The messages as chat templates read them: text content, tool calls with their
-        arguments as text."""
-        return [_message_dict(message) for message in self.messages]
+        arguments as text, and a message with images as its parts, each image the data URL of
+        its checked bytes (`images`: the messages' images as `load_images` read them)."""
+        remaining = iter(images)
+        return [_message_dict(message, remaining) for message in self.messages]
 
 
 def parse_request(body: bytes) -> ChatCompletionRequest:
@@ -171,10 +243,13 @@ def parse_request(body: bytes) -> ChatCompletionRequest:
     return request
 
 
-def _message_dict(message: ChatMessage) -> dict[str, Any]:
+def _message_dict(message: ChatMessage, images: Iterator[LoadedImage]) -> dict[str, Any]:
     content = message.content
     if isinstance(content, list):
-        content = "".join(part.text for part in content)
+        texts = [part.text for part in content if isinstance(part, TextPart)]
+        # Text alone is joined, as OpenAI reads it; with images the parts keep their order.
+        has_images = len(texts) < len(content)
+        content = [_part_dict(part, images) for part in content] if has_images else "".join(texts)
     result: dict[str, Any] = {"role": message.role, "content": content or ""}
     if message.tool_calls:
         result["tool_calls"] = [call.model_dump() for call in message.tool_calls]
@@ -183,3 +258,9 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
     if message.name is not None:
         result["name"] = message.name
     return result
+
+
+def _part_dict(part: TextPart | ImagePart, images: Iterator[LoadedImage]) -> dict[str, Any]:
+    if isinstance(part, TextPart):
+        return {"type": "text", "text": part.text}
+    return {"type": "image_url", "image_url": {"url": next(images).data_url()}}

@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_svc.agent_loop import RolloutLimits
+from rollout_svc.engines.base import EngineImage, SamplingParams
 from rollout_svc.engines.base import FinishReason as EngineFinish
-from rollout_svc.engines.base import SamplingParams
 from rollout_svc.gateway.requests import ChatCompletionRequest
 from turnrl.chat_tokens import ConversationTokens
 from turnrl.errors import InvalidArgumentError
-from turnrl.trajectory import FinishReason, Segment, Trajectory, TurnMetrics
+from turnrl.trajectory import FinishReason, Segment, Trajectory, TrajectoryImage, TurnMetrics
 
 SESSION_ID = re.compile(r"[A-Za-z0-9._~:-]{1,128}")
 
@@ -33,9 +33,9 @@ class ModelTurn:
 
 @dataclass
 class SessionState:
-    """What a session has recorded; replaced whole when a turn is committed. `tokens` and the
-    positions `part_messages` and `part_tokens` are its current part's (history.py); the
-    segments and messages are all parts'."""
+    """What a session has recorded; replaced whole when a turn is committed. `tokens`,
+    `part_images` and the positions `part_messages` and `part_tokens` are its current part's
+    (history.py); the segments, messages and images are all parts'."""
 
     tokens: ConversationTokens | None = None  # None until the first turn
     tools: list[dict[str, Any]] | None = None
@@ -46,6 +46,10 @@ class SessionState:
     part_tokens: int = 0  # where its tokens start in the segments' ids
     turns: list[TurnMetrics] = field(default_factory=list)
     last_finish: EngineFinish | None = None
+    # The current part's images at their tokens in its context (what the engine is given), and
+    # all parts' at their tokens in the trajectory (what it records).
+    part_images: list[EngineImage] = field(default_factory=list)
+    images: list[TrajectoryImage] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,7 @@ def session_trajectory(session: Session) -> Trajectory:
         messages=state.messages,
         finish_reason=finish_reason,
         turns=state.turns,
+        images=state.images,
     )
     trajectory.metrics = session_metrics(
         state.turns, sum(trajectory.loss_mask), len(trajectory.parts)

@@ -12,7 +12,8 @@ Model turns go into the trajectory with their logprobs and policy versions (in t
 prompts, tool results, user turns and the template's generation prompts are masked. Nothing is
 recorded until the engine has answered, so a request that fails leaves the session as it was.
 One request runs per session at a time (a second is refused with FailedPreconditionError), and
-a session that ended is refused the same way.
+a session that ended is refused the same way. A request's images are checked, processed and
+placed as session_images.py says.
 """
 
 import asyncio
@@ -30,6 +31,7 @@ from rollout_svc.engines.base import FinishReason as EngineFinish
 from rollout_svc.engines.stop_strings import find_stop, stop_string_token_count
 from rollout_svc.gateway import history
 from rollout_svc.gateway.requests import ChatCompletionRequest, RequestFieldError
+from rollout_svc.gateway.session_images import SessionImages
 from rollout_svc.gateway.session_state import (
     EpisodeSettings,
     ModelTurn,
@@ -48,6 +50,7 @@ from turnrl.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from turnrl.images import LoadedImage
 from turnrl.messages import openai_tool_call
 from turnrl.trajectory import (
     FinishReason,
@@ -58,6 +61,7 @@ from turnrl.trajectory import (
     appended_segments,
     model_segments,
 )
+from turnrl.vision import with_image_placeholders
 
 # Ended sessions remembered, so that reusing one is refused, not a fresh session.
 ENDED_SESSIONS_KEPT = 65_536
@@ -77,6 +81,7 @@ class ChatSessions:
         model_name: str,
         max_sessions: int,
         new_part_on_rewrite: bool,
+        images: SessionImages,
     ) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -86,6 +91,7 @@ class ChatSessions:
         self._limits = limits
         self._max_sessions = max_sessions
         self._new_part_on_rewrite = new_part_on_rewrite  # else a rewritten history is refused
+        self._images = images
         self._sessions: dict[str, Session] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()
 
@@ -159,10 +165,11 @@ class ChatSessions:
 
     async def prepare(self, session: "Session", request: ChatCompletionRequest) -> "PendingTurn":
         """The request's messages checked against the session (the prefix rule) and
-        tokenized, with the turn's sampling. Raises InvalidArgumentError for a bad request or
-        history, FailedPreconditionError when the session's last turn cannot be continued (cut
-        by max_tokens). Changes nothing in the session."""
-        messages = request.message_dicts()
+        tokenized, with the turn's sampling. Raises InvalidArgumentError for a bad request,
+        image or history, FailedPreconditionError when the session's last turn cannot be
+        continued (cut by max_tokens). Changes nothing in the session."""
+        images = await asyncio.to_thread(self._images.load, request)
+        messages = request.message_dicts(images)
         stop = tuple(request.stop_strings)
         base = session.state
         if session.last_request is not None and messages == session.last_request:
@@ -172,9 +179,9 @@ class ChatSessions:
         assert base is not None
         if base.tokens is None:
             tools = request.tool_schemas()
-            state = await self._new_part(SessionState(tools=tools), messages, stop)
+            state = await self._new_part(SessionState(tools=tools), messages, images, stop)
         else:
-            state = await self._next_turn(base, request, messages, stop)
+            state = await self._next_turn(base, request, messages, images, stop)
         input_ids = [t for segment in state.segments for t in segment.token_ids]
         input_ids = input_ids[state.part_tokens :]  # the current part's context
         max_new_tokens = self._turn_budget(
@@ -226,6 +233,7 @@ class ChatSessions:
                 dataclasses.replace(pending.sampling, seed=_choice_seed(pending.sampling, i)),
                 request_id=request_id,
                 session_id=engine_session(session.session_id),
+                images=state.part_images,
                 on_tokens=None if on_tokens is None else functools.partial(on_tokens, i),
             )
             for i, request_id in enumerate(session.engine_request_ids)
@@ -327,12 +335,21 @@ class ChatSessions:
             raise FailedPreconditionError(f"session {session_id!r} has ended")
 
     async def _new_part(
-        self, base: SessionState, messages: list[dict[str, Any]], stop: tuple[str, ...]
+        self,
+        base: SessionState,
+        messages: list[dict[str, Any]],
+        images: list[LoadedImage],
+        stop: tuple[str, ...],
     ) -> SessionState:
-        """`base` with a new part: `messages` rendered as its prompt (a first request's, with
-        the session's tools)."""
-        tokens = ConversationTokens(self.tokenizer, self._chat_template, base.tools)
-        prompt_ids = await asyncio.to_thread(tokens.prompt_ids, messages)
+        """`base` with a new part: `messages` (with their `images`) rendered as its prompt (a
+        first request's, with the session's tools)."""
+        tokens = ConversationTokens(
+            self.tokenizer, self._chat_template, base.tools, vision=self._images.vision
+        )
+        part_tokens = sum(len(segment.token_ids) for segment in base.segments)
+        prompt_ids, part_images, records = await self._images.tokenized(
+            functools.partial(tokens.prompt_ids, messages), images, part_tokens, 0
+        )
         return dataclasses.replace(
             base,
             tokens=tokens,
@@ -340,8 +357,10 @@ class ChatSessions:
             segments=[*base.segments, Segment(SegmentSource.PROMPT, prompt_ids)],
             messages=[*base.messages, *(dict(m) for m in messages)],
             part_messages=len(base.messages),
-            part_tokens=sum(len(segment.token_ids) for segment in base.segments),
+            part_tokens=part_tokens,
             turns=list(base.turns),
+            part_images=part_images,
+            images=[*base.images, *records],
         )
 
     async def _next_turn(
@@ -349,8 +368,10 @@ class ChatSessions:
         base: SessionState,
         request: ChatCompletionRequest,
         messages: list[dict[str, Any]],
+        images: list[LoadedImage],
         stop: tuple[str, ...],
     ) -> SessionState:
+        """`base` with the request's new messages appended (the prefix rule), or a new part."""
         if request.tool_schemas() != base.tools:
             raise RequestFieldError(
                 "tools differ from the session's first request; a session keeps its tools", "tools"
@@ -364,10 +385,18 @@ class ChatSessions:
         except history.HistoryRewrittenError:
             if not self._new_part_on_rewrite:
                 raise
-            return await self._new_part(base, messages, stop)
+            return await self._new_part(base, messages, images, stop)
+        # The history's images are the session's already: only the new messages' are placed.
+        new_images = images[len(images) - with_image_placeholders(new_messages)[1] :]
         tokens = copy.copy(base.tokens)  # the session's own changes only on commit
         assert tokens is not None
-        new_ids = await asyncio.to_thread(tokens.append_messages, new_messages)
+        length = sum(len(segment.token_ids) for segment in base.segments)
+        new_ids, part_images, records = await self._images.tokenized(
+            functools.partial(tokens.append_messages, new_messages),
+            new_images,
+            base.part_tokens,
+            length - base.part_tokens,
+        )
         roles = {m["role"] for m in new_messages}
         source = SegmentSource.TOOL if roles == {"tool"} else SegmentSource.USER
         return dataclasses.replace(
@@ -379,6 +408,8 @@ class ChatSessions:
             ],
             messages=[*base.messages, *new_messages],
             turns=list(base.turns),
+            part_images=[*base.part_images, *part_images],
+            images=[*base.images, *records],
         )
 
     def _turn_budget(

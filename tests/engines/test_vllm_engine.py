@@ -17,6 +17,7 @@ from rollout_svc.engines.server_process import start_server
 from rollout_svc.engines.vllm import VLLM_SERVER_MODULE, VllmEngine, VllmEngineOptions
 from tests.engines.conftest import launch_options
 from tests.rollout_svc.test_rollout_service import teacher_forced_logprobs
+from tests.tiny_vlm import image_tokens, random_image
 from turnrl.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -227,6 +228,11 @@ async def test_prompts_the_engine_or_the_server_refuse(vllm_engine, vllm_server)
         await vllm_engine.generate([], greedy(1), "empty")
     with pytest.raises(InvalidArgumentError, match="Token id 99999 is out of vocabulary"):
         await vllm_engine.generate([1, 99999], greedy(1), "bad-id")
+    # Images for a text model: the server refuses their content parts (the rollout service
+    # refuses them before, tests/rollout_svc/test_rollout_images.py).
+    image = random_image(1, (1, 2, 4), seed=0)
+    with pytest.raises(InvalidArgumentError, match="vLLM"):
+        await vllm_engine.generate([1, *image_tokens(image)], greedy(1), "image", images=[image])
     # A prompt one short of the context gets the one token there is room for.
     last = await vllm_engine.generate(too_long[:-1], greedy(10), "last-token")
     assert last.finish_reason is FinishReason.LENGTH and len(last.output_ids) == 1

@@ -1,8 +1,9 @@
-"""The CPU-scale search (Search-R1) and code (ReTool) recipes, each run by `turnrl run` through
-the four services for two steps on its shipped tiny model: the search tool over the committed
-corpus or the sandboxed python tool, Search-R1's exact match or the math scorer, and the run's
-summary.json and curves.png with held-out accuracy and the share of trajectories that call the
-tool. Whether they learn is measured in BENCHMARKS.md ("The CPU recipes")."""
+"""The CPU-scale search (Search-R1), code (ReTool) and image (zoom) recipes, each run by `turnrl
+run` through the four services for two steps on its shipped tiny model: the search tool over the
+committed corpus, the sandboxed python tool or image_zoom on the prompt's image, Search-R1's
+exact match, the math or the gsm8k scorer, and the run's summary.json and curves.png with
+held-out accuracy and the share of trajectories that call the tool. Whether they learn is
+measured in BENCHMARKS.md ("The CPU recipes") and, for zoom, by `make test-learning`."""
 
 import json
 
@@ -12,10 +13,10 @@ from turnrl.config import REPO_ROOT
 
 from ..conftest import FREE_PORTS, run_turnrl
 
-TOOL_OF_TASK = {"search": "search", "code": "python"}
+TOOL_OF_TASK = {"search": "search", "code": "python", "zoom": "image_zoom"}
 
 
-@pytest.mark.parametrize("task", ["search", "code"])
+@pytest.mark.parametrize("task", sorted(TOOL_OF_TASK))
 async def test_the_recipe_runs_through_the_services(task, tmp_path):
     code, _, stderr = await run_turnrl(
         "run", "--config", str(REPO_ROOT / "examples" / task / "config.yaml"), *FREE_PORTS,

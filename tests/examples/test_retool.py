@@ -275,7 +275,7 @@ def test_sft_loss_is_on_the_assistant_turns_only(qwen25, sft_records, sft_config
     <|im_end|>, not on the prompt or the interpreter's results."""
     records = sft_records[False]
     examples = tokenize_conversations(qwen25, records, sft_config.trainer.sft.max_length)
-    ids, loss_mask = examples[0]
+    ids, loss_mask, _ = examples[0]
     whole = qwen25.apply_chat_template(
         records[0].messages, tools=records[0].tools, tokenize=True, return_dict=False
     )

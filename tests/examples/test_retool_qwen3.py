@@ -65,7 +65,7 @@ def rollout_ids(
 def assert_sft_is_the_rollout(tokenizer, sft, rollout) -> None:
     """SFT's ids and loss mask are the rollout's, then what the template writes after the last
     turn (`\\n`), outside the loss."""
-    (sft_ids, sft_mask), (ids, loss_mask) = sft, rollout
+    (sft_ids, sft_mask, _), (ids, loss_mask) = sft, rollout
     assert sft_ids[: len(ids)] == ids
     assert sft_mask[: len(ids)] == loss_mask
     assert tokenizer.decode(sft_ids[len(ids) :]) == "\n" and not any(sft_mask[len(ids) :])
@@ -77,9 +77,10 @@ def test_qwen3_sft_keeps_every_turns_thinking_as_the_rollout_does(
     """Thinking on: the SFT path's ids of a ReTool conversation are the ids of a rollout of the
     same turns, each turn's <think> block in the loss."""
     conversation = sft_records[True][0]
-    ((sft_ids, sft_mask),) = tokenize_conversations(qwen3, [conversation], qwen3_max_length)
+    (sft,) = tokenize_conversations(qwen3, [conversation], qwen3_max_length)
+    sft_ids, sft_mask, _ = sft
     rollout = rollout_ids(qwen3, conversation.messages, conversation.tools, think_block=True)
-    assert_sft_is_the_rollout(qwen3, (sft_ids, sft_mask), rollout)
+    assert_sft_is_the_rollout(qwen3, sft, rollout)
     assert [qwen3.decode(run) for run in masked_runs(sft_ids, sft_mask)][:2] == [
         "<think>\nFirst compute the power exactly.\n</think>\n\n<tool_call>\n"
         '{"name": "python", "arguments": {"code": "n = 2**100\\nprint(n)"}}\n</tool_call><|im_end|>',
@@ -105,7 +106,7 @@ def test_qwen3_keeps_the_thinking_its_template_drops_after_a_new_user_turn(
     assert_sft_is_the_rollout(qwen3, sft, rollout_ids(qwen3, messages, first.tools, True))
     rerendered = qwen3.apply_chat_template(messages, tools=first.tools, tokenize=False)
     assert "First compute the power exactly." not in rerendered
-    thinking = qwen3.decode([t for t, m in zip(*sft, strict=True) if m])
+    thinking = qwen3.decode([t for t, m in zip(sft.token_ids, sft.loss_mask, strict=True) if m])
     for reasoning in ("First compute the power exactly.", "Now add its digits.", "115 stands."):
         assert f"<think>\n{reasoning}\n</think>" in thinking
 
@@ -121,7 +122,7 @@ def test_qwen3_thinking_off_the_model_writes_every_empty_think_block(
     assert_sft_is_the_rollout(
         qwen3, sft, rollout_ids(qwen3, conversation.messages, conversation.tools, True)
     )
-    runs = [qwen3.decode(run) for run in masked_runs(*sft)]
+    runs = [qwen3.decode(run) for run in masked_runs(sft.token_ids, sft.loss_mask)]
     assert len(runs) == 3 and all(run.startswith("<think>\n\n</think>\n\n") for run in runs)
     rerendered = qwen3.apply_chat_template(
         conversation.messages, tools=conversation.tools, tokenize=False
@@ -138,6 +139,8 @@ def test_qwen3_thinking_off_by_the_template_agrees_too(qwen3, sft_records, qwen3
     (sft,) = tokenize_conversations(qwen3, [conversation], qwen3_max_length, kwargs)
     rollout = rollout_ids(qwen3, conversation.messages, conversation.tools, False, kwargs)
     assert_sft_is_the_rollout(qwen3, sft, rollout)
-    assert not any("<think>" in qwen3.decode(run) for run in masked_runs(*sft))
-    unmasked = qwen3.decode([t for t, m in zip(*sft, strict=True) if not m])
+    assert not any(
+        "<think>" in qwen3.decode(run) for run in masked_runs(sft.token_ids, sft.loss_mask)
+    )
+    unmasked = qwen3.decode([t for t, m in zip(sft.token_ids, sft.loss_mask, strict=True) if not m])
     assert unmasked.count("<|im_start|>assistant\n<think>\n\n</think>\n\n") == 3

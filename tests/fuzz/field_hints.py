@@ -93,14 +93,18 @@ def generate_requests(served: Served) -> st.SearchStrategy[rollout_pb2.GenerateR
     """Generate requests that pass validation: 1 or 2 prompts, each with messages whose role is
     set, served tools, no interaction and finite JSON; limits left to the service; `n` 1 or 2;
     sampling values in range (the engine refuses others, ending the trajectory), temperatures
-    over all the engine takes (ENGINE_TEMPERATURES). Any text."""
-    finite = {"google.protobuf.Value.number_value": st.floats(-1e6, 1e6)}
+    over all the engine takes (ENGINE_TEMPERATURES). Any text, and text only: the served model
+    is a text model, which refuses images (tests/rollout_svc/test_rollout_images.py)."""
+    valid = {
+        "google.protobuf.Value.number_value": st.floats(-1e6, 1e6),
+        "turnrl.v1.Message.content": st.lists(st.builds(common_pb2.ContentPart, text=TEXTS)),
+    }
     prompt = _prompts(
         st.sampled_from(range(1, 5)),
         st.sampled_from(TOOLS),
         st.sampled_from(served.data_sources),
         st.just(""),
-        finite,
+        valid,
     )
     sampling = st.builds(
         common_pb2.SamplingParams,
@@ -131,7 +135,7 @@ def _prompts(
     hints: dict[str, st.SearchStrategy],
 ) -> st.SearchStrategy[rollout_pb2.RolloutPrompt]:
     chat = st.lists(
-        messages(common_pb2.Message.DESCRIPTOR, {"turnrl.v1.Message.role": roles}),
+        messages(common_pb2.Message.DESCRIPTOR, hints | {"turnrl.v1.Message.role": roles}),
         min_size=1,
         max_size=3,
     )

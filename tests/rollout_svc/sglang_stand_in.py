@@ -48,8 +48,10 @@ from tests.rollout_svc.sglang_stand_in_weights import (
     spans_of,
     version_spans,
 )
+from tests.rollout_svc.stand_in_images import sglang_served_prompt
 from turnrl.config import REPO_ROOT
 from turnrl.errors import InvalidArgumentError
+from turnrl.vision import VisionProcessor
 
 VOCAB_SIZE = 1000
 
@@ -101,12 +103,15 @@ class SglangStandIn:
         model: HfEngine | None = None,
         context_length: int | None = None,
         tp_size: int = 1,
+        vision: VisionProcessor | None = None,
     ):
         """With `model` (an hf engine of `model_path`), /generate samples from a real model,
         whose weights the weight updates replace; without, from the counter model.
-        `context_length` is --context-length (None: the model's), `tp_size` --tp-size."""
+        `context_length` is --context-length (None: the model's), `tp_size` --tp-size;
+        `vision`: the processor a vision-language model's server expands images with."""
         self.model_path = model_path
         self.model = model
+        self.vision = vision
         self.argv = argv or []
         self.context_length_flag = context_length
         self.context_length = context_length or MODEL_CONTEXT_LENGTH
@@ -261,9 +266,14 @@ class SglangStandIn:
             stop_strings=tuple(params.get("stop") or ()),
             seed=params.get("sampling_seed"),
         )
+        prompt = sglang_served_prompt(body, self.vision)
+        if isinstance(prompt, Response):
+            return prompt
         self.model_rids.add(body["rid"])
         try:
-            out = await self.model.generate(body["input_ids"], sampling, body["rid"])
+            out = await self.model.generate(
+                prompt.input_ids, sampling, body["rid"], images=prompt.images
+            )
         except InvalidArgumentError as e:
             return JSONResponse({"error": {"message": str(e)}}, status_code=400)
         finally:
@@ -275,7 +285,7 @@ class SglangStandIn:
         meta_info = {
             "id": body["rid"],
             "finish_reason": finish_reason,
-            "prompt_tokens": len(body["input_ids"]),
+            "prompt_tokens": len(prompt.input_ids),
             "completion_tokens": len(out.output_ids),
             "cached_tokens": int(out.metrics["cached_prompt_tokens"]),
             "weight_version": self.weight_version,
@@ -285,7 +295,10 @@ class SglangStandIn:
             ],
             "weight_versions": spans_of(out.policy_versions),
         }
-        return JSONResponse({"output_ids": out.output_ids, "meta_info": meta_info})
+        reply = {"output_ids": out.output_ids, "meta_info": meta_info}
+        if body.get("return_prompt_token_ids"):
+            reply["prompt_token_ids"] = prompt.input_ids
+        return JSONResponse(reply)
 
     def _max_new_tokens(self, body: dict) -> int:
         """The request's max_new_tokens, cut where the scheduler ends a generation: one token

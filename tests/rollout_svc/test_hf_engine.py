@@ -16,7 +16,8 @@ from transformers import AutoTokenizer, Qwen3ForCausalLM
 from rollout_svc.config import RolloutConfig
 from rollout_svc.engines.base import FinishReason, SamplingParams
 from rollout_svc.engines.hf import HfEngine
-from rollout_svc.engines.hf_compute import Request, RunningBatch, next_tokens
+from rollout_svc.engines.hf_compute import RunningBatch
+from rollout_svc.engines.hf_request import Request, next_tokens
 from tests.rollout_svc.hf_engine_fixtures import (
     LONG_TOKENS,
     MAX_MODEL_LEN,

@@ -12,7 +12,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3
 
 from rollout_svc.agent_loop import AgentLoop, PromptSpec, RolloutLimits
 from rollout_svc.config import RolloutConfig
-from rollout_svc.engines.base import GenerateOutput, SamplingParams
+from rollout_svc.engines.base import EngineImage, GenerateOutput, SamplingParams
 from rollout_svc.engines.hf import HfEngine, HfEngineOptions
 from rollout_svc.parsers import PARSERS
 from rollout_svc.service import RolloutService
@@ -371,8 +371,10 @@ class AbortAtTheSecondTurn:
         request_id: str,
         session_id: str = "",
         *,
+        images: Sequence[EngineImage] = (),
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerateOutput:
+        assert not images  # a text model's test
         self.turns[session_id] += 1
         if self.turns[session_id] == 1:
             return await self.engine.generate(

@@ -1,6 +1,7 @@
 """Datasets in verl's formats (parquet and JSONL; RL prompts and multi-turn SFT conversations),
 the generated calculator data, and the seeded, resumable order of training batches."""
 
+import base64
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 from google.protobuf import json_format
 from pydantic import ValidationError
 
+from tests.tiny_vlm import png_bytes
 from trainer_svc.config import DataConfig, TrainerConfig
 from trainer_svc.controller import Controller
 from trainer_svc.data import (
@@ -354,3 +356,52 @@ def test_chat_template_kwargs_go_with_every_rl_prompt(tmp_path):
     assert [json_format.MessageToDict(p.chat_template_kwargs) for p in request.prompts] == [
         {"enable_thinking": False}
     ] * 2
+
+
+def test_verl_multimodal_rows_put_their_images_in_place_of_the_markers(tmp_path):
+    """verl's `images` column, bytes as `datasets` stores them in parquet or a path relative
+    to the file, each where its `<image>` is; read and inlined at load."""
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "b.png").write_bytes(png_bytes(8, 6, seed=2))
+    first = png_bytes(10, 10, seed=1)
+    row = {
+        **VERL_ROWS[1],
+        "prompt": [{"role": "user", "content": "Compare <image> with<image>."}],
+        "images": [{"bytes": first, "path": None}, {"bytes": None, "path": "images/b.png"}],
+    }
+    parquet = tmp_path / "mm.parquet"
+    pq.write_table(pa.Table.from_pylist([row]), parquet)
+    (record,) = read_records(parquet)
+    parts = record.messages[0]["content"]
+    assert [part["type"] for part in parts] == ["text", "image_url", "text", "image_url", "text"]
+    assert [parts[0]["text"], parts[2]["text"], parts[4]["text"]] == ["Compare ", " with", "."]
+    urls = [part["image_url"]["url"] for part in parts if part["type"] == "image_url"]
+    assert urls[0] == f"data:image/png;base64,{base64.b64encode(first).decode()}"
+    second = (tmp_path / "images" / "b.png").read_bytes()
+    assert urls[1] == f"data:image/png;base64,{base64.b64encode(second).decode()}"
+    assert record.to_proto([]).messages[0].content[1].image.url == urls[0]
+
+
+@pytest.mark.parametrize(
+    ("images", "message"),
+    [
+        ([{"bytes": None, "path": "a.png"}] * 2, "have 1 <image> markers for 2 `images`"),
+        ([{"bytes": b"not a png"}], r"messages\[0\]\.content\[1\]: not a readable image"),
+        (["missing.png"], r"cannot read .*missing\.png"),
+        (["/etc/hostname"], "outside the folders images may be read from"),
+    ],
+)
+def test_a_bad_image_fails_the_load_naming_its_record(tmp_path, images, message):
+    row = {**VERL_ROWS[1], "prompt": [{"role": "user", "content": "See <image>"}], "images": images}
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist([row]), path)
+    with pytest.raises(ConfigError, match=f"data file {path}, record bad-0: .*{message}"):
+        read_records(path)
+
+
+def test_without_an_images_column_a_marker_is_text(tmp_path):
+    row = {**VERL_ROWS[1], "prompt": [{"role": "user", "content": "Write <image> in HTML."}]}
+    path = tmp_path / "text.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    (record,) = read_records(path)
+    assert record.messages == row["prompt"]

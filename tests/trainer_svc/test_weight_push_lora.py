@@ -57,15 +57,17 @@ async def test_an_adapter_push_samples_base_plus_adapter_exactly(tiny_model_dir,
     base = load(tiny_model_dir)
     first, first_tensors = peft_model(tiny_model_dir, seed=1)
     second, second_tensors = peft_model(tiny_model_dir, seed=2)
+    # fp32 within 1e-4 (a batch's padding reorders sums: 2.9e-5 seen in CI); each other model
+    # is further off than 1e-3, so the check still tells which weights sampled.
     async with replicas(tiny_model_dir, 1) as stubs, connected(stubs, mode) as pusher:
         result = await pusher.push(packed(first_tensors), 1, adapter=ADAPTER)
         # Adapters go as a gRPC stream even where a group formed; only their bytes travel.
         assert result.mode == "grpc" and result.policy_versions == [1]
         assert result.total_bytes == sum(t.nbytes for t in first_tensors.values())
-        assert_sampled_by(await sample(stubs[0]), first, base, policy_version=1, atol=1e-5)
+        assert_sampled_by(await sample(stubs[0]), first, base, policy_version=1)
         # The next adapter replaces the first: base + second, not base + first + second.
         await pusher.push(packed(second_tensors), 2, adapter=ADAPTER)
-        assert_sampled_by(await sample(stubs[0]), second, first, policy_version=2, atol=1e-5)
+        assert_sampled_by(await sample(stubs[0]), second, first, policy_version=2)
         await assert_resumed(stubs)
 
 

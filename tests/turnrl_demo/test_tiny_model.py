@@ -4,6 +4,7 @@ into its answer, the tests' and the demo's ship with the package, any other is b
 cache folder (fine-tuned by the trainer's SFT), and the wiring resolves a null model path to it.
 The calculator data it learns from: tests/turnrl/test_calculator_data.py."""
 
+import asyncio
 import json
 import re
 from collections import Counter
@@ -214,7 +215,8 @@ def test_the_tests_and_the_examples_models_ship_and_nothing_else(tmp_path):
     """They resolve to the shipped folders without building (scripts/ship_tiny_models.py makes
     them anew when what a build reads changes), and no stale folder ships beside them."""
     configs = [
-        REPO_ROOT / "examples" / task / "config.yaml" for task in ("calculator", "search", "code")
+        REPO_ROOT / "examples" / task / "config.yaml"
+        for task in ("calculator", "search", "code", "zoom")
     ]
     configs += [
         REPO_ROOT / "examples" / "calculator" / f for f in ("turn_credit.yaml", "judge.yaml")
@@ -224,8 +226,9 @@ def test_the_tests_and_the_examples_models_ship_and_nothing_else(tmp_path):
         build_tiny_model(tmp_path, settings=settings)
         for settings in (TinyModelSettings(), *examples)
     }
-    assert len(folders) == 6
-    assert {folder.name.split("-")[1] for folder in folders} == {"calculator", "search", "code"}
+    assert len(folders) == 7
+    tasks = {folder.name.rsplit("-", 2)[1] for folder in folders}
+    assert tasks == {"calculator", "search", "code", "zoom"}
     assert {folder.parent for folder in folders} == {SHIPPED_MODELS_DIR}
     assert set(SHIPPED_MODELS_DIR.iterdir()) == folders
     assert not any(tmp_path.iterdir())  # nothing was built
@@ -356,14 +359,15 @@ def test_a_null_model_path_becomes_the_configs_tiny_model(tiny_model_dir):
     assert overrides == [f"rollout.model_path={tiny_model_dir}"]
 
 
-@pytest.mark.parametrize("task", ["search", "code"])
+@pytest.mark.parametrize("task", ["search", "code", "zoom"])
 async def test_each_tasks_conversations_render_the_schema_its_tool_serves(task):
     """The schema a tiny model learns is the one the tool service shows the policy."""
     settings = TinyModelSettings(task=task, train_problems=200, guess_share=0.25)
-    conversations = training_conversations(settings, seed=0)
+    # Off the loop: zoom's conversations hold the image_zoom tool's answers, run by asyncio.run.
+    conversations = await asyncio.to_thread(training_conversations, settings, seed=0)
     guesses = [c for c in conversations if len(c) == 3]
     assert 25 <= len(guesses) <= 75  # about a quarter answer at once
-    tool_name = {"search": "search", "code": "python"}[task]
+    tool_name = {"search": "search", "code": "python", "zoom": "image_zoom"}[task]
     for conversation in conversations:
         if len(conversation) > 3:
             assert conversation[2]["tool_calls"][0]["function"]["name"] == tool_name

@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import Field, field_validator
@@ -36,7 +37,9 @@ from tool_svc.sandbox import (
     read_capped,
 )
 from tool_svc.tools.base import Tool, ToolCallError, ToolErrorKind, ToolResult
+from tool_svc.tools.workspace_images import Stamps, WorkspaceImages, image_stamps, new_images
 from turnrl.config import StrictModel
+from turnrl.images import ImageSettings
 
 MIB = 1024 * 1024
 # The interpreter this service runs on, outside any venv: the sandbox sees the standard
@@ -148,6 +151,15 @@ class PythonOptions(StrictModel):
     max_file_size_bytes: int = Field(
         default=64 * MIB, gt=0, description="Largest file the code may write, in bytes."
     )
+    max_images: int = Field(
+        default=4,
+        ge=0,
+        description="Images (PNG, JPEG, WebP files) a call writes under /workspace that come "
+        "back with its result, shown to vision-language models; 0: none.",
+    )
+    max_image_bytes: int = Field(
+        default=4 * MIB, gt=0, description="Largest image file a call's result carries, in bytes."
+    )
     enable_stateful_sessions: bool = Field(
         default=False,
         description="Keep one interpreter per session, so variables and files persist from "
@@ -196,6 +208,8 @@ class ReplSession:
 class PythonTool(Tool):
     """Runs Python code in a sandbox."""
 
+    # The shipped code model was trained with this schema in its prompts (turnrl_demo's
+    # task_tools): a change to its text changes what that model reads.
     schema: ClassVar[dict[str, Any]] = {
         "name": "python",
         "description": "Run Python 3 code in a sandbox and see its stdout and stderr. The value "
@@ -256,14 +270,21 @@ class PythonTool(Tool):
         if isinstance(session, ReplSession):
             return await self._execute_in_session(session, code)
         options: PythonOptions = self.options
+        written = WorkspaceImages()
+
+        def read_images(workdir: Path) -> None:
+            nonlocal written
+            written = self._new_images(workdir, {})
+
         outcome = await self.sandbox.run(
             [*_python_command(self._executable, options.enable_site_packages), "run"],
             code.encode(errors="replace"),
             options.wall_timeout_seconds,
             _limits(options, per_call=True),
             options.max_output_bytes,
+            read_workdir=read_images,
         )
-        return self._result(outcome, state_lost=False)
+        return self._result(outcome, written, state_lost=False)
 
     async def release(self, session: Any) -> None:
         if isinstance(session, ReplSession):
@@ -289,6 +310,7 @@ class PythonTool(Tool):
                 self._sessions.add(session)
             sandbox = session.sandbox
             before = await sandbox.counters()
+            images_before = await asyncio.to_thread(image_stamps, sandbox.workdir)
             started = time.monotonic()
             try:
                 async with asyncio.timeout(options.wall_timeout_seconds):
@@ -309,9 +331,10 @@ class PythonTool(Tool):
                 await sandbox.counters() - before,
             )
             alive = exit_code is not None and sandbox.process.returncode is None
+            written = await asyncio.to_thread(self._new_images, sandbox.workdir, images_before)
             if not alive:
                 await self._stop_session(session)
-            return self._result(outcome, state_lost=not alive)
+            return self._result(outcome, written, state_lost=not alive)
 
     async def _run_cell(
         self, session: ReplSession, sandbox: SandboxProcess, code: str
@@ -349,10 +372,20 @@ class PythonTool(Tool):
         if sandbox is not None:
             await sandbox.stop()
 
-    def _result(self, outcome: RunOutcome, state_lost: bool) -> ToolResult:
-        """The observation of a finished run, or the ToolCallError naming the limit it hit."""
+    def _new_images(self, workdir: Path, before: Stamps) -> WorkspaceImages:
         options: PythonOptions = self.options
-        text = _format_output(outcome)
+        if options.max_images == 0:
+            return WorkspaceImages()
+        settings = ImageSettings(max_image_bytes=options.max_image_bytes)
+        return new_images(workdir, before, options.max_images, settings)
+
+    def _result(
+        self, outcome: RunOutcome, written: WorkspaceImages, state_lost: bool
+    ) -> ToolResult:
+        """The observation of a finished run with the images it wrote, or the ToolCallError
+        naming the limit it hit."""
+        options: PythonOptions = self.options
+        text = _format_output(outcome, written.notes)
         lost = (
             "; the session's state (variables, files) was lost and the next call starts a "
             "fresh interpreter"
@@ -377,6 +410,7 @@ class PythonTool(Tool):
             )
         return ToolResult(
             text=text,
+            images=written.images,
             metrics={
                 "exit_code": float(outcome.exit_code),
                 "runtime_seconds": outcome.runtime_seconds,
@@ -410,13 +444,15 @@ def _limit_hit(outcome: RunOutcome, options: PythonOptions) -> str | None:
     return None
 
 
-def _format_output(outcome: RunOutcome) -> str:
+def _format_output(outcome: RunOutcome, image_notes: list[str]) -> str:
     stdout, stderr = outcome.stdout.text(), outcome.stderr.text()
     parts = [stdout] if stdout else []
     if stderr:
         parts.append(f"[stderr]\n{stderr}")
     if outcome.exit_code:
         parts.append(f"[exit code {outcome.exit_code}]")
+    if image_notes:
+        parts.append("\n".join(image_notes))
     return "\n".join(part if part.endswith("\n") else part + "\n" for part in parts) or (
         "(no output)"
     )

@@ -663,6 +663,7 @@ class Trajectory(_message.Message):
     METRICS_FIELD_NUMBER: _builtins.int
     DATA_SOURCE_FIELD_NUMBER: _builtins.int
     TURN_REWARDS_FIELD_NUMBER: _builtins.int
+    IMAGES_FIELD_NUMBER: _builtins.int
     trajectory_id: _builtins.str
     """Unique id of this trajectory, such as "<group_id>/<sample_index>"."""
     group_id: _builtins.str
@@ -715,6 +716,12 @@ class Trajectory(_message.Message):
         given; the outcome is `reward`. A turn index beyond the trajectory's turns is rejected.
         """
 
+    @_builtins.property
+    def images(self) -> _containers.RepeatedCompositeFieldContainer[Global___TrajectoryImage]:
+        """The images of `messages`, in the order their tokens come in `segments` (the order of the
+        image parts in `messages`). Never trained: their tokens are not model-sampled.
+        """
+
     def __init__(
         self,
         *,
@@ -732,11 +739,48 @@ class Trajectory(_message.Message):
         metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         data_source: _builtins.str = ...,
         turn_rewards: _abc.Iterable[Global___TurnReward] | None = ...,
+        images: _abc.Iterable[Global___TrajectoryImage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reward", b"reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_source", b"data_source", "error_message", b"error_message", "finish_reason", b"finish_reason", "group_id", b"group_id", "loss_mask", b"loss_mask", "messages", b"messages", "metrics", b"metrics", "response_mask", b"response_mask", "reward", b"reward", "sample_index", b"sample_index", "segments", b"segments", "trajectory_id", b"trajectory_id", "turn_rewards", b"turn_rewards", "turns", b"turns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_source", b"data_source", "error_message", b"error_message", "finish_reason", b"finish_reason", "group_id", b"group_id", "images", b"images", "loss_mask", b"loss_mask", "messages", b"messages", "metrics", b"metrics", "response_mask", b"response_mask", "reward", b"reward", "sample_index", b"sample_index", "segments", b"segments", "trajectory_id", b"trajectory_id", "turn_rewards", b"turn_rewards", "turns", b"turns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Trajectory: _TypeAlias = Trajectory  # noqa: Y015
+
+@_typing.final
+class TrajectoryImage(_message.Message):
+    """Where an image's tokens sit in a trajectory, which image it is, and how it was processed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_OFFSET_FIELD_NUMBER: _builtins.int
+    TOKEN_COUNT_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    GRID_THW_FIELD_NUMBER: _builtins.int
+    token_offset: _builtins.int
+    """Index of the image's first token in the trajectory's tokens."""
+    token_count: _builtins.int
+    """The image's tokens: its processed grid's merged patches."""
+    sha256: _builtins.str
+    """SHA-256 of the image's encoded bytes, hex: the image part of `messages` it is."""
+    @_builtins.property
+    def grid_thw(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The processed grid of patches: temporal, height, width."""
+
+    def __init__(
+        self,
+        *,
+        token_offset: _builtins.int = ...,
+        token_count: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+        grid_thw: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grid_thw", b"grid_thw", "sha256", b"sha256", "token_count", b"token_count", "token_offset", b"token_offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TrajectoryImage: _TypeAlias = TrajectoryImage  # noqa: Y015
