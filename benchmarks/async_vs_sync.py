@@ -132,7 +132,7 @@ def project_config(args: argparse.Namespace, output_dir: Path, delayed: bool) ->
     trainer.update(
         steps=args.steps,
         eval_every=0,
-        checkpoint_every=0,
+        checkpoint={"every": 0},
         output_dir=str(output_dir),
         loggers=[],
     )

@@ -89,7 +89,7 @@ def project_config(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         seed=args.seed,
         steps=args.steps,
         eval_every=args.eval_every,
-        checkpoint_every=0,
+        checkpoint={"every": 0},
         output_dir=str(folder / "runs"),
         loggers=[],
     )

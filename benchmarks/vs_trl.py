@@ -185,7 +185,7 @@ def run_turnrl(task: str, args: argparse.Namespace, folder: Path) -> dict[str, A
         output_dir=str(folder / "runs"),
         steps=args.steps,
         eval_every=0,
-        checkpoint_every=0,
+        checkpoint={"every": 0},
         loggers=[],
     )
     trainer["data"] = {"train_files": [str(data)], "shuffle": False}

@@ -100,7 +100,7 @@ async def test_a_run_with_launcher_tls_goes_through_every_service(tmp_path, exam
         "run", "--config", str(EXAMPLE_CONFIG), *FREE_PORTS, *example_on_tiny_model,
         "launcher.tls=on", "launcher.auth_token=generate",
         f"trainer.output_dir={tmp_path}", "trainer.run_name=tls", "trainer.steps=1",
-        "trainer.eval_every=0", "trainer.checkpoint_every=0",
+        "trainer.eval_every=0", "trainer.checkpoint.every=0",
         "trainer.rollout.prompts_per_step=2", "trainer.rollout.samples_per_prompt=2",
         timeout_seconds=300,
     )  # fmt: skip

@@ -143,7 +143,7 @@ async def test_a_run_on_two_ray_nodes_survives_a_lost_rollout_replica(
         "launcher.ray.tool.placement=strict_pack",
         "trainer.ranks=2", "launcher.ray.trainer.placement=strict_spread",
         f"trainer.output_dir={tmp_path}", "trainer.run_name=ray-run",
-        f"trainer.steps={STEPS}", "trainer.eval_every=0", "trainer.checkpoint_every=0",
+        f"trainer.steps={STEPS}", "trainer.eval_every=0", "trainer.checkpoint.every=0",
         f"trainer.rollout.prompts_per_step={PROMPTS_PER_STEP}",
         "trainer.rollout.samples_per_prompt=4",
         "trainer.data.generated_train_size=64", "trainer.data.generated_eval_size=4",

@@ -119,6 +119,22 @@ def micro_batch_rows(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
+def packed_micro_batch_rows(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Row indices of each packed micro-batch: longest rows first, each into the first
+    micro-batch whose tokens stay within `max_tokens`; a row longer than that goes alone."""
+    groups: list[list[int]] = []
+    tokens: list[int] = []
+    for row in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fits = [i for i, used in enumerate(tokens) if used + lengths[row] <= max_tokens]
+        if fits:
+            groups[fits[0]].append(row)
+            tokens[fits[0]] += lengths[row]
+        else:
+            groups.append([row])
+            tokens.append(lengths[row])
+    return groups
+
+
 @dataclass
 class _SharedPrefixMicroBatch:
     """A micro-batch being filled by `shared_prefix_micro_batch_rows`."""

@@ -66,9 +66,18 @@ class TrainSettings(StrictModel):
     micro_batch_tokens: int = Field(
         4096,
         gt=0,
-        description="Token budget of one micro-batch: rows x its longest row; with "
-        "shared_prefix_forward, the tokens of its three forwards, padding included (each: "
-        "its prefixes or rows x the most tokens one of them computes).",
+        description="Token budget of one micro-batch: rows x its longest row; packed "
+        "(pack_sequences), its rows' tokens; with shared_prefix_forward, the tokens of its "
+        "three forwards, padding included (each: its prefixes or rows x the most tokens one "
+        "of them computes).",
+    )
+    pack_sequences: bool = Field(
+        False,
+        description="Forward each micro-batch's rows as one sequence without padding, each "
+        "attending within itself (positions restarted per row; varlen flash attention on a "
+        "GPU with flash_attention_2, a block-diagonal mask on CPU): no compute or logits for "
+        "padding, the same logprobs to 1e-5. Where shared_prefix_forward applies (a policy "
+        "step's groups) that forward is used instead; images' rows stay padded.",
     )
     shared_prefix_forward: bool = Field(
         True,
@@ -648,6 +657,26 @@ class LoraSettings(StrictModel):
     )
 
 
+class CheckpointConfig(StrictModel):
+    """`trainer.checkpoint`: when the run checkpoints and what it keeps (trainer_svc/
+    checkpoint.py). A checkpoint holds each rank's shards: any number of ranks resumes it."""
+
+    every: int = Field(
+        default=10, ge=0, description="Checkpoint every this many steps (and at the end); 0: end."
+    )
+    keep_last: int = Field(
+        default=0,
+        ge=0,
+        description="Keep the newest this many checkpoints, deleting older ones as each new one "
+        "is complete; 0 keeps all.",
+    )
+    async_save: bool = Field(
+        default=False,
+        description="Write the shards in the background while training goes on (a copy of "
+        "this rank's shards in memory until written); the next checkpoint waits for it.",
+    )
+
+
 class PushToHubSettings(StrictModel):
     """`trainer.push_to_hub`: upload the run's exported model to a Hugging Face Hub model repo
     (trainer_svc/hub.py), on a thread of its own so that no step waits on the network."""
@@ -794,8 +823,8 @@ class TrainerConfig(StrictModel):
         default_factory=EvalConfig,
         description="RL and eval: the held-out evaluation's sampling and pass@k.",
     )
-    checkpoint_every: int = Field(
-        default=10, ge=0, description="Checkpoint every this many steps (and at the end); 0: end."
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Checkpoints: how often, how many kept."
     )
     seed: int = Field(default=0, description="Seeds data order and sampling.")
     rollout_service: ClientConfig = Field(

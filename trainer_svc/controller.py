@@ -50,7 +50,6 @@ from trainer_svc.judge_training import (
     ran_ok,
 )
 from trainer_svc.ledger import PromptLedger, prompt_key
-from trainer_svc.ranks import checkpoint_state
 from trainer_svc.report import REWARD_PLOT
 from trainer_svc.rl_step import (
     RolloutBatch,
@@ -82,7 +81,7 @@ class Controller(RunLoop):
         collide with calls of the killed one that the rollout service may still be ending."""
         return uuid.uuid4().hex[:8]
 
-    async def run(self, resume: bool) -> dict[str, Any]:
+    async def run(self, resume: bool, resume_from: str | None = None) -> dict[str, Any]:
         """Trains to `config.steps` or a stop; returns the summary written to summary.json."""
         started = time.monotonic()
         config = self.config
@@ -92,7 +91,7 @@ class Controller(RunLoop):
         self.sampler = EpochSampler(train, config.seed, config.data.shuffle)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.ledger = PromptLedger(self.run_dir)
-        state = await self._restore_checkpoint() if resume else None
+        state = await self._restore_checkpoint(resume_from) if resume else None
         if state is not None:
             self._resume_from(state)
         # What the restored model trained on, only: a run resumed with no checkpoint yet (its
@@ -437,11 +436,10 @@ class Controller(RunLoop):
         self.emit(ProgressEvent(self.step, "eval", metrics, message))
 
     async def _checkpoint(self) -> None:
-        state = await self.ranks.run(checkpoint_state)
-        # The loop's state is taken here, with no await before the write, so it is the loop's
-        # at one moment of the event loop.
-        state["generator"] = self.generator.get_state()
-        await self._save_checkpoint(state, self._loop_state())
+        # The loop's state is taken here, with no await before it is stored, so it is the
+        # loop's at one moment of the event loop.
+        generator = {"generator": self.generator.get_state()}
+        await self._save_checkpoint(generator, self._loop_state())
 
     def _loop_state(self) -> dict[str, Any]:
         """What a checkpoint holds of the loop beside the models and the mini-batch order's

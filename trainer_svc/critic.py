@@ -18,7 +18,9 @@ from transformers import AutoConfig, AutoModelForTokenClassification
 
 from trainer_svc.batch import Batch
 from trainer_svc.config import TrainSettings
-from trainer_svc.fsdp import FsdpModel
+from trainer_svc.forward import packed_forward, unpacked
+from trainer_svc.fsdp import FsdpModel, joins_process_group
+from trainer_svc.sharded_load import load_model
 
 # loss_fn(micro, values) -> (loss, metrics), the contract in trainer_svc.fsdp's docstring.
 ValueLossFn = Callable[[Batch, Tensor], tuple[Tensor, dict[str, float]]]
@@ -30,13 +32,12 @@ class FsdpCritic(FsdpModel):
     def __init__(self, model_path: str | Path, settings: TrainSettings) -> None:
         config = AutoConfig.from_pretrained(model_path, num_labels=1)
         config.classifier_dropout = 0.0
-        model, loading = AutoModelForTokenClassification.from_pretrained(
-            model_path, config=config, dtype=torch.float32, output_loading_info=True
+        loaded = load_model(
+            AutoModelForTokenClassification, model_path, config, joins_process_group()
         )
-        with torch.no_grad():
-            for name in loading["missing_keys"]:  # the new head's weight and bias
-                model.get_parameter(name).zero_()
-        super().__init__(model, settings)
+        # The new head's weight and bias.
+        zeros = {n: torch.zeros(loaded.model.get_parameter(n).shape) for n in loaded.missing}
+        super().__init__(loaded, settings, fresh=zeros)
 
     def values(self, batch: Batch) -> Tensor:
         """V of each token's state, (rows, length) like the batch, on the batch's device.
@@ -55,9 +56,16 @@ class FsdpCritic(FsdpModel):
         return self._train_step(batch, lambda micro: loss_fn(micro, self._forward(micro)))
 
     def _forward(self, micro: Batch) -> Tensor:
+        real = micro.attention_mask.bool()
         with self._autocast():
+            if self.packs(micro):
+                flat_ids = micro.input_ids[real][None]
+                head, starts = packed_forward(self.model, flat_ids, micro.attention_mask)
+                # A row's first token has no state before it: 0, as in the padded layout.
+                flat = F.pad(head[0, :-1, 0].float(), (1, 0)).masked_fill(starts, 0.0)
+                return unpacked(flat, real)
             head = self.model(
                 input_ids=micro.input_ids, attention_mask=micro.attention_mask, use_cache=False
             ).logits
         values = F.pad(head[:, :-1, 0].float(), (1, 0))
-        return values * micro.attention_mask.bool()
+        return values * real

@@ -23,7 +23,7 @@ class EvalRun(Controller):
     def _planned_steps(self) -> int:
         return 0
 
-    async def run(self, resume: bool) -> dict[str, Any]:
+    async def run(self, resume: bool, resume_from: str | None = None) -> dict[str, Any]:
         started = time.monotonic()
         config = self.config
         _, self.held_out = await asyncio.to_thread(load_datasets, config.data, config.seed)

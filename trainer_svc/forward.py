@@ -68,6 +68,47 @@ def whole_row_logprobs(
     return logprobs * real, None if entropy is None else entropy * real
 
 
+def packed_logprobs(
+    model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """`whole_row_logprobs` of the rows computed as one sequence without their padding
+    (`packed_forward`), put back in the rows' places."""
+    real = attention_mask.bool()
+    flat_ids = input_ids[real][None]
+    logits, starts = packed_forward(model, flat_ids, attention_mask)
+    logprobs, entropy = token_logprobs(logits, flat_ids, with_entropy)
+    # A row's first token follows the row before's last one here: it has no prefix, 0.
+    logprobs, entropy = [
+        None if part is None else unpacked(part[0].masked_fill(starts, 0.0), real)
+        for part in (logprobs, entropy)
+    ]
+    return logprobs, entropy
+
+
+def packed_forward(
+    model: PreTrainedModel, flat_ids: Tensor, attention_mask: Tensor, **kwargs
+) -> tuple[Tensor, Tensor]:
+    """The model's output (logits, or a token classifier's) on `flat_ids`, (1, tokens): the
+    real tokens of rows `attention_mask` marks, one row after the other, each attending to
+    its own tokens only: transformers reads the rows' bounds from positions that start again
+    at 0 with each row, when no attention mask is given (varlen kernels with
+    flash_attention_2, a block-diagonal causal mask with sdpa and eager). Also whether each
+    flat token begins its row."""
+    lengths = attention_mask.sum(1)
+    positions = torch.arange(flat_ids.shape[1], device=flat_ids.device)
+    row_starts = torch.cumsum(lengths, 0) - lengths
+    positions = positions - torch.repeat_interleave(row_starts, lengths)
+    output = model(input_ids=flat_ids, position_ids=positions[None], use_cache=False, **kwargs)
+    return output.logits, positions == 0
+
+
+def unpacked(flat: Tensor, real: Tensor) -> Tensor:
+    """The (tokens,) `flat` values in their rows' places, (rows, length) like `real`; padding
+    gets 0. Differentiable."""
+    rows = torch.zeros(real.shape, dtype=flat.dtype, device=flat.device)
+    return rows.masked_scatter(real, flat)
+
+
 def image_inputs(
     model: PreTrainedModel, input_ids: Tensor, images: list[list[ProcessedImage]]
 ) -> dict[str, Tensor]:

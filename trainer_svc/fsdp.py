@@ -32,12 +32,10 @@ fraction over its loss tokens); the step reports them weighted by loss tokens.
 
 import math
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,21 +43,31 @@ from torch import Tensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
 
-from trainer_svc.batch import Batch, micro_batch_rows, shared_prefix_micro_batch_rows
+from trainer_svc.batch import (
+    Batch,
+    micro_batch_rows,
+    packed_micro_batch_rows,
+    shared_prefix_micro_batch_rows,
+)
 from trainer_svc.config import LoraSettings, TrainSettings
 from trainer_svc.forward import (
     can_share_prefixes,
+    packed_logprobs,
     prefix_levels,
     shared_prefix_logprobs,
     whole_row_logprobs,
+)
+from trainer_svc.hf_export import (
+    checkpoint_names,
+    copy_tokenizer_files,
+    export_streaming,
+    tied_aliases,
 )
 from trainer_svc.lora import (
     adapter_state,
@@ -69,21 +77,10 @@ from trainer_svc.lora import (
     save_adapter,
     unadapted_state,
 )
+from trainer_svc.sharded_load import LoadedModel, fill_shards, load_model
 from turnrl.vision import is_vision_model, model_class
 from turnrl.weights import BucketedWeights
 
-# Files of a Hugging Face tokenizer folder that `save_pretrained` copies, when present.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 # Full, unsharded tensors on CPU; under FSDP only rank 0 receives them.
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -105,11 +102,16 @@ def init_distributed() -> tuple[int, int]:
     In a plain single process, or with a group already made, it makes none: (0, 1) or the
     group's.
     """
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+    if joins_process_group() and not dist.is_initialized():
         dist.init_process_group(distributed_backend(), init_method="env://")
     if not dist.is_initialized():
         return 0, 1
     return dist.get_rank(), dist.get_world_size()
+
+
+def joins_process_group() -> bool:
+    """Whether `init_distributed` makes or finds a process group: whether models are sharded."""
+    return dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def apply_fsdp(model: PreTrainedModel, mesh: DeviceMesh, settings: TrainSettings) -> None:
@@ -149,37 +151,19 @@ def lr_factor(step: int, settings: TrainSettings) -> float:
     return settings.min_lr_ratio + (1.0 - settings.min_lr_ratio) * cosine
 
 
-def tied_aliases(model: torch.nn.Module) -> set[str]:
-    """The names under which `model` holds a parameter it holds under an earlier name: a tied
-    output layer (`lm_head.weight`, which is `model.embed_tokens.weight`). A push leaves them
-    out. Hugging Face checkpoints keep the first name only, and so every engine loads that one:
-    SGLang and vLLM check updates against the checkpoint, and vLLM's loader loads the first
-    name it reaches. FSDP's full state dict gathers each name into a tensor of its own, so the
-    tensors no longer show the tie; the model's parameters still do."""
-    first_names: dict[int, str] = {}
-    aliases = set()
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        if first_names.setdefault(id(parameter), name) != name:
-            aliases.add(name)
-    return aliases
-
-
-def copy_tokenizer_files(tokenizer_dir: str | Path | None, folder: str | Path) -> None:
-    """Copies the Hugging Face tokenizer files `tokenizer_dir` has into `folder`."""
-    for name in TOKENIZER_FILES if tokenizer_dir else ():
-        if (Path(tokenizer_dir) / name).is_file():
-            shutil.copy2(Path(tokenizer_dir) / name, Path(folder) / name)
-
-
 class FsdpModel:
     """A transformers model with AdamW and its LR schedule, sharded over several ranks: what the
     policy and the critic share. Subclasses load the model and define its forward pass.
 
-    The model is loaded in fp32 on every rank, then sharded; a model too large for one device
-    needs meta-device init first (not done here).
+    Under FSDP the model arrives empty where its files allow (`trainer_svc.sharded_load`):
+    each rank loads its shard of it only, once sharded. Parameters its checkpoint lacks take
+    their values from `fresh` (a critic's new head), whole tensors.
     """
 
-    def __init__(self, model: PreTrainedModel, settings: TrainSettings) -> None:
+    def __init__(
+        self, loaded: LoadedModel, settings: TrainSettings, fresh: dict[str, Tensor] | None = None
+    ) -> None:
+        model = loaded.model
         self.settings = settings
         # Whether forwards compute a group's shared prefix once (`trainer_svc.forward`): the
         # policy's, where the settings and the model allow.
@@ -196,9 +180,15 @@ class FsdpModel:
             # transformers checkpoints each layer's `forward`, inside FSDP2's hooks, so the
             # recompute runs on the parameters FSDP gathers for the backward pass anyway.
             model.activation_checkpointing_enable({"use_reentrant": False})
-        model.to(self.device)
+        if loaded.files is None:
+            with torch.no_grad():
+                for name, tensor in (fresh or {}).items():
+                    model.get_parameter(name).copy_(tensor)
+            model.to(self.device)
         if self.is_sharded:
             apply_fsdp(model, init_device_mesh(self.device.type, (self.world_size,)), settings)
+        if loaded.files is not None:
+            fill_shards(model, self.device, loaded.files, fresh)
         self.model = model
         # All of the model's parameters but frozen ones (a LoRA policy's base weights).
         self.trainable_parameters = [p for p in model.parameters() if p.requires_grad]
@@ -212,38 +202,7 @@ class FsdpModel:
             self.optimizer, partial(lr_factor, settings=settings)
         )
 
-    def state_dict_for_checkpoint(self) -> dict[str, Any]:
-        """Model, optimizer and scheduler state, unsharded on CPU, for `torch.save` by rank 0.
-        The model state is that of the trainable parameters: with frozen ones (a LoRA policy's
-        base) the rest is the model the run started from.
-
-        Under FSDP only rank 0's model and optimizer entries are filled; a checkpoint written
-        by any number of ranks loads with any other number.
-        """
-        model_state, optimizer_state = get_state_dict(
-            self.model, self.optimizer, options=FULL_ON_CPU
-        )
-        if self._has_frozen_parameters():
-            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
-            model_state = {name: model_state[name] for name in model_state if name in trainable}
-        scheduler_state = self.scheduler.state_dict()
-        return {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler_state}
-
-    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        """Restores `state_dict_for_checkpoint`'s output; every rank passes the whole of it."""
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-            # A model state of the trainable parameters leaves the frozen ones out.
-            options=StateDictOptions(
-                full_state_dict=True, strict=not self._has_frozen_parameters()
-            ),
-        )
-        self.scheduler.load_state_dict(state["scheduler"])
-
-    def _has_frozen_parameters(self) -> bool:
+    def has_frozen_parameters(self) -> bool:
         return len(self.trainable_parameters) < len(list(self.model.parameters()))
 
     def close(self) -> None:
@@ -373,6 +332,8 @@ class FsdpModel:
         if self.shares_prefixes and batch.groups is not None:
             levels = prefix_levels(batch.input_ids, lengths, batch.groups)
             groups = shared_prefix_micro_batch_rows(levels, budget)
+        elif self.packs(batch):
+            groups = packed_micro_batch_rows(lengths.tolist(), budget)
         else:
             groups = micro_batch_rows(lengths.tolist(), budget)
         count = len(groups)
@@ -383,6 +344,14 @@ class FsdpModel:
         for index in range(count):
             rows = groups[min(index, len(groups) - 1)]
             yield rows, batch.select(rows, self.device), index >= len(groups)
+
+    def packs(self, batch: Batch) -> bool:
+        """Whether `batch`'s micro-batches are forwarded packed (`forward.packed_forward`):
+        with `pack_sequences`, but for rows with images, and a policy's groups computed with
+        their shared prefixes."""
+        if self.shares_prefixes and batch.groups is not None:
+            return False
+        return self.settings.pack_sequences and batch.images is None
 
     def _autocast(self) -> torch.autocast:
         """bf16 autocast in a plain process; under FSDP the mixed-precision policy casts instead."""
@@ -409,13 +378,16 @@ class FsdpPolicy(FsdpModel):
     def __init__(
         self, model_path: str | Path, settings: TrainSettings, lora: LoraSettings | None = None
     ) -> None:
-        model = model_class(model_path).from_pretrained(model_path, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(model_path)
+        # Adapters go on a whole model: a LoRA policy loads whole even under FSDP.
+        sharded = joins_process_group() and lora is None
+        loaded = load_model(model_class(model_path), model_path, config, sharded)
         self.model_path = str(model_path)
         self.lora = lora
         # The last parts of the adapted layers' names (q_proj, ...); [] without LoRA.
-        self.adapter_target_modules = [] if lora is None else add_lora_adapters(model, lora)
-        super().__init__(model, settings)
-        self.shares_prefixes = settings.shared_prefix_forward and can_share_prefixes(model)
+        self.adapter_target_modules = [] if lora is None else add_lora_adapters(loaded.model, lora)
+        super().__init__(loaded, settings)
+        self.shares_prefixes = settings.shared_prefix_forward and can_share_prefixes(self.model)
 
     def logprobs(self, batch: Batch, *, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         """Logprob (and entropy) of each token given its prefix, (rows, length) like the batch,
@@ -509,12 +481,21 @@ class FsdpPolicy(FsdpModel):
 
     def save_merged(self, folder: str | Path, tokenizer_dir: str | Path | None = None) -> None:
         """Writes the model in Hugging Face format (config, safetensors) into `folder` on rank 0,
-        with LoRA's adapters merged in, and the tokenizer files of `tokenizer_dir` beside it."""
-        state = self.full_state_dict()
-        if self.rank != 0:
-            return
-        self.model.save_pretrained(folder, state_dict=state)
-        copy_tokenizer_files(tokenizer_dir, folder)
+        with LoRA's adapters merged in, and the tokenizer files of `tokenizer_dir` beside it.
+        Without LoRA the tensors are gathered one at a time as they are written
+        (`hf_export`): no rank holds more of the model than its shards and one tensor."""
+        state = self.model.state_dict()
+        aliases = tied_aliases(self.model)
+        state = {name: tensor for name, tensor in state.items() if name not in aliases}
+        renamed = None if self.lora is not None else checkpoint_names(self.model, list(state))
+        if renamed is not None:
+            export_streaming(self.model, state, Path(folder), renamed)
+        else:  # the merge needs whole tensors, as do transformers' tensor conversions
+            merged = self.full_state_dict()
+            if self.rank == 0:
+                self.model.save_pretrained(folder, state_dict=merged)
+        if self.rank == 0:
+            copy_tokenizer_files(tokenizer_dir, folder)
 
     def _base_state(self) -> dict[str, Tensor]:
         """The model's full state on CPU (rank 0; {} on the others) under the base model's
@@ -535,6 +516,10 @@ class FsdpPolicy(FsdpModel):
             if self.shares_prefixes and micro.groups is not None and micro.images is None:
                 return shared_prefix_logprobs(
                     self.model, micro.input_ids, micro.attention_mask, micro.groups, with_entropy
+                )
+            if self.packs(micro):
+                return packed_logprobs(
+                    self.model, micro.input_ids, micro.attention_mask, with_entropy
                 )
             return whole_row_logprobs(
                 self.model, micro.input_ids, micro.attention_mask, with_entropy, micro.images

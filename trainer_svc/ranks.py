@@ -43,10 +43,15 @@ from typing import Any, Concatenate, Literal, NoReturn, ParamSpec, TypeVar
 import torch.distributed as dist
 
 from trainer_svc.batch import Batch
-from trainer_svc.checkpoint import load_latest_checkpoint
+from trainer_svc.checkpoint import (
+    model_checkpoint_state,
+    read_checkpoint_state,
+    restore_model,
+    save_shards,
+)
 from trainer_svc.config import LoraSettings
 from trainer_svc.critic import FsdpCritic
-from trainer_svc.fsdp import FsdpPolicy, distributed_backend
+from trainer_svc.fsdp import FsdpModel, FsdpPolicy, distributed_backend
 from turnrl.errors import ConfigError
 from turnrl.weights import BucketedWeights, LoraAdapter
 
@@ -85,6 +90,10 @@ class Models:
     push_weights: dict[Role, BucketedWeights | None] = field(default_factory=dict)
     # With pushed LoRA adapters, the frozen base weights they apply to (rank 0), gathered once.
     base_weights: BucketedWeights | None = None
+    # The checkpoint being written in the background (trainer.checkpoint.async_save), and the
+    # gloo group of such saves' collectives.
+    checkpoint_save: Future | None = None
+    checkpoint_group: dist.ProcessGroup | None = None
 
     def trained(self, role: Role) -> FsdpPolicy:
         """The model that plays `role`."""
@@ -299,40 +308,51 @@ def share_of(models: Models, batch: Batch, rows: list[int]) -> Batch:
     return share
 
 
-def restore(models: Models, run_dir: Path) -> dict[str, Any] | None:
-    """Loads the run's latest checkpoint into the models (every rank reads the file); the
-    checkpoint's state, or None when there is none. Raises ConfigError when the run has a
-    critic and the checkpoint none."""
-    state = load_latest_checkpoint(run_dir)
-    if state is None:
-        return None
-    if models.critic is not None and "critic" not in state:
+def restore(models: Models, folder: Path) -> dict[str, Any]:
+    """Loads the checkpoint in `folder` into the models, each rank its rows of them; returns
+    the checkpoint's state. Raises ConfigError when the run has a critic or a judge of its own
+    and the checkpoint none."""
+    state = read_checkpoint_state(folder)
+    trained = checkpointed_models(models)
+    if "critic" in trained and "critic" not in state:
         raise ConfigError(
-            f"the checkpoint of step {state['step']} in {run_dir} holds no critic (its run did "
-            "not use advantage_estimator gae or turn_gae); resume with the run's own algorithm"
+            f"the checkpoint {folder} holds no critic (its run did not use "
+            "advantage_estimator gae or turn_gae); resume with the run's own algorithm"
         )
-    if models.judge is not None and "judge" not in state:
+    if "judge" in trained and "judge" not in state:
         raise ConfigError(
-            f"the checkpoint of step {state['step']} in {run_dir} holds no judge model (its "
-            "run had none of its own: trainer.judge_training.model_path); resume with the "
-            "run's own judge_training"
+            f"the checkpoint {folder} holds no judge model (its run had none of its own: "
+            "trainer.judge_training.model_path); resume with the run's own judge_training"
         )
-    models.policy.load_checkpoint_state(state["policy"])
-    if models.critic is not None:
-        models.critic.load_checkpoint_state(state["critic"])
-    if models.judge is not None:
-        models.judge.load_checkpoint_state(state["judge"])
+    for role, model in trained.items():
+        restore_model(model, folder, role, state[role])
     return state
 
 
-def checkpoint_state(models: Models) -> dict[str, Any]:
-    """The models' state for a checkpoint (filled on rank 0)."""
-    state = {"policy": models.policy.state_dict_for_checkpoint()}
-    if models.critic is not None:
-        state["critic"] = models.critic.state_dict_for_checkpoint()
-    if models.judge is not None:
-        state["judge"] = models.judge.state_dict_for_checkpoint()
-    return state
+def checkpointed_models(models: Models) -> dict[str, FsdpModel]:
+    """The models a checkpoint holds, by role: the trained ones (no reference policy)."""
+    trained = {"policy": models.policy, "critic": models.critic, "judge": models.judge}
+    return {role: model for role, model in trained.items() if model is not None}
+
+
+def save_checkpoint_shards(
+    models: Models, folder: Path, in_background: bool
+) -> tuple[dict[str, Any], Future | None]:
+    """Writes each trained model's shards into the checkpoint folder `folder` (every rank its
+    own); returns the rest of their state (`model_checkpoint_state`), by role, and in the
+    background the save's future (`checkpoint.save_shards`). A save still running from the
+    last checkpoint is waited for first."""
+    shards, plain = {}, {}
+    for role, model in checkpointed_models(models).items():
+        shards[role], plain[role] = model_checkpoint_state(model)
+    if models.checkpoint_save is not None:
+        models.checkpoint_save.result()
+    if in_background and dist.is_initialized() and models.checkpoint_group is None:
+        # The background save's collectives run beside the models': a group of their own.
+        models.checkpoint_group = dist.new_group(backend="gloo")
+    group = models.checkpoint_group if in_background else None
+    models.checkpoint_save = save_shards(folder, shards, group, in_background)
+    return plain, models.checkpoint_save
 
 
 def gather_weights(

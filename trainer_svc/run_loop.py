@@ -8,17 +8,24 @@ import asyncio
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer
 
-from trainer_svc.checkpoint import CHECKPOINTS, save_checkpoint
+from trainer_svc.checkpoint import (
+    CHECKPOINTS,
+    CheckpointState,
+    find_checkpoint,
+    finish_checkpoint,
+    new_staging_folder,
+)
 from trainer_svc.config import TrainerConfig
 from trainer_svc.data import EpochSampler
 from trainer_svc.hub import HubPublisher, HubUploadError
-from trainer_svc.ranks import Ranks, restore, save_pretrained
+from trainer_svc.ranks import Ranks, restore, save_checkpoint_shards, save_pretrained
 from trainer_svc.report import Plot, RunReport
 from turnrl.vision import VisionProcessor, vision_token_id
 
@@ -69,6 +76,8 @@ class RunLoop(abc.ABC):
         self.stop_requested = False
         self.checkpoint_requests: list[CheckpointRequest] = []
         self._checkpointed_step = -1
+        # The completion of the checkpoint being written in the background, if any.
+        self._checkpoint_finishing: asyncio.Task | None = None
         self.publisher: HubPublisher | None = None  # with trainer.push_to_hub, from setup on
         self.vision: VisionProcessor | None = None  # a vision-language policy's, from setup on
 
@@ -85,8 +94,10 @@ class RunLoop(abc.ABC):
             self.publisher.close()
 
     @abc.abstractmethod
-    async def run(self, resume: bool) -> dict[str, Any]:
-        """Trains to `total_steps` or a stop; returns the summary written to summary.json."""
+    async def run(self, resume: bool, resume_from: str | None = None) -> dict[str, Any]:
+        """Trains to `total_steps` or a stop, with `resume` from the checkpoint `resume_from`
+        names (`checkpoint.find_checkpoint`: its newest when None); returns the summary
+        written to summary.json."""
 
     @abc.abstractmethod
     async def _train_step(self) -> None:
@@ -115,13 +126,16 @@ class RunLoop(abc.ABC):
             self.vision = await asyncio.to_thread(VisionProcessor, model_path)
         return model_path, tokenizer
 
-    async def _restore_checkpoint(self) -> dict[str, Any] | None:
-        """Restores the models, the data position and the step of the run's latest checkpoint;
-        returns the checkpoint's state, or None when there is none."""
-        state = await self.ranks.run(restore, self.run_dir)
-        if state is not None:
-            self.sampler.position = state["data_position"]
-            self.step = self._checkpointed_step = state["step"]
+    async def _restore_checkpoint(self, name: str | None) -> dict[str, Any] | None:
+        """Restores the models, the data position and the step of the run's checkpoint named
+        `name` (`checkpoint.find_checkpoint`), or of its newest; returns the checkpoint's
+        state, or None when there is none."""
+        folder = await asyncio.to_thread(find_checkpoint, self.run_dir, name)
+        if folder is None:
+            return None
+        state = await self.ranks.run(restore, folder)
+        self.sampler.position = state["data_position"]
+        self.step = self._checkpointed_step = state["step"]
         return state
 
     async def _open_report(self, resumed: bool, plot: Plot) -> None:
@@ -156,12 +170,15 @@ class RunLoop(abc.ABC):
 
     async def _finish_step(self) -> None:
         """The end of a step: evaluate every `eval_every` steps (the last step's evaluation is
-        the run's final one), checkpoint every `checkpoint_every` steps or when asked to, start
-        an upload to the Hub every `push_to_hub.every_n_steps`."""
+        the run's final one), checkpoint every `checkpoint.every` steps or when asked to, start
+        an upload to the Hub every `push_to_hub.every_n_steps`. A checkpoint that failed to be
+        written in the background fails the run here."""
+        if self._checkpoint_finishing is not None and self._checkpoint_finishing.done():
+            self._checkpoint_finishing.result()
         every = self.config.eval_every
         if every and self.step % every == 0 and self.step < self.total_steps:
             await self._evaluate()
-        every = self.config.checkpoint_every
+        every = self.config.checkpoint.every
         if (every and self.step % every == 0) or self.checkpoint_requests:
             await self._checkpoint()
         last = self.step == self.total_steps  # whose upload is the final model's
@@ -174,16 +191,46 @@ class RunLoop(abc.ABC):
             self.publisher.start_step_upload(self.step, Path(folder))
 
     async def _save_checkpoint(self, tensors: dict[str, Any], loop_state: dict[str, Any]) -> None:
-        """Writes `tensors` (the models' state) and `loop_state` (JSON values) as this step's
-        checkpoint and answers the SaveCheckpoint calls waiting."""
-        folder = await asyncio.to_thread(
-            save_checkpoint, self.run_dir, self.step, tensors, loop_state
-        )
+        """Checkpoints this step: the models' shards, written by every rank, and beside them
+        `tensors` (small ones) and `loop_state` (JSON values), the loop's state now. With
+        `checkpoint.async_save` the shards are written in the background and the checkpoint
+        completed when they are; either way the SaveCheckpoint calls waiting are answered
+        once it is complete."""
+        settings = self.config.checkpoint
+        staging = await asyncio.to_thread(new_staging_folder, self.run_dir, self.step)
+        plain, writing = await self.ranks.run(save_checkpoint_shards, staging, settings.async_save)
+        state = CheckpointState.now(self.step, {**plain, **tensors}, loop_state)
         self._checkpointed_step = self.step
-        for request in self.checkpoint_requests:
-            request.done.set_result((folder, self.step))
-        self.checkpoint_requests.clear()
-        self.emit(ProgressEvent(self.step, "checkpoint", message=str(folder)))
+        requests, self.checkpoint_requests = self.checkpoint_requests, []
+        finishing = self._complete_checkpoint(
+            staging, state, writing, requests, self._checkpoint_finishing
+        )
+        if writing is None:
+            await finishing
+        else:
+            self._checkpoint_finishing = asyncio.create_task(finishing)
+
+    async def _complete_checkpoint(
+        self,
+        staging: Path,
+        state: CheckpointState,
+        writing: Future | None,
+        requests: list[CheckpointRequest],
+        previous: asyncio.Task | None,
+    ) -> None:
+        """Once the checkpoint before it is complete and this one's shards are written
+        (`writing`), completes the checkpoint in `staging` with `state` and answers
+        `requests`."""
+        if previous is not None:
+            await previous
+        if writing is not None:
+            await asyncio.wrap_future(writing)
+        folder = await asyncio.to_thread(
+            finish_checkpoint, staging, self.run_dir, state, self.config.checkpoint.keep_last
+        )
+        for request in requests:
+            request.done.set_result((folder, state.step))
+        self.emit(ProgressEvent(state.step, "checkpoint", message=str(folder)))
 
     async def _finish(self, model_path: str, started: float) -> dict[str, Any]:
         """Ends the run: a checkpoint of its last step, the policy in Hugging Face format in
@@ -194,6 +241,8 @@ class RunLoop(abc.ABC):
         after writing summary.json, when the final upload failed."""
         if self._checkpointed_step != self.step:
             await self._checkpoint()
+        if self._checkpoint_finishing is not None:
+            await self._checkpoint_finishing
         export = self.run_dir / FINAL_MODEL
         await self.ranks.run(save_pretrained, export, model_path, self.config.judge_model_path)
         summary = self._summary(time.monotonic() - started)

@@ -27,7 +27,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
     async def StartRun(self, request, context):
         record = await self._service.start_run(
-            request.config_yaml, request.run_name, request.resume
+            request.config_yaml, request.run_name, request.resume, request.resume_from or None
         )
         return trainer_pb2.StartRunResponse(run=_run_proto(record))
 

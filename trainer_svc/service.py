@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from trainer_svc.async_controller import AsyncController
+from trainer_svc.checkpoint import find_checkpoint
 from trainer_svc.config import RUN_LOGS_FOLDER, RUNS_FOLDER, TrainerConfig
 from trainer_svc.controller import Controller
 from trainer_svc.eval_run import EvalRun
@@ -115,8 +116,16 @@ class TrainerService:
         self._runs_root = runs_root.resolve()
         self._runs: dict[str, RunRecord] = {}
 
-    async def start_run(self, config_yaml: str, run_name: str, resume: bool) -> RunRecord:
+    async def start_run(
+        self, config_yaml: str, run_name: str, resume: bool, resume_from: str | None = None
+    ) -> RunRecord:
+        """Starts a run (StartRun); with `resume` from its checkpoint named `resume_from`, or
+        its newest."""
         config = _trainer_config(config_yaml)
+        if resume_from is not None and not resume:
+            raise InvalidArgumentError(
+                f"resume_from={resume_from!r} names a checkpoint to resume from; set resume too"
+            )
         if config.model_path is None:
             if self._model_path is None:
                 raise InvalidArgumentError(
@@ -161,6 +170,11 @@ class TrainerService:
                     f"run {name!r} exists in {output_dir}; resume it (--resume) or pick another "
                     "name (trainer.run_name=...)"
                 )
+            if resume_from is not None:
+                try:
+                    find_checkpoint(output_dir, resume_from)
+                except ConfigError as e:
+                    raise NotFoundError(str(e)) from None
             output_dir.mkdir(parents=True, exist_ok=True)
             (output_dir / "config.yaml").write_text(config_yaml)
         except (OSError, ValueError) as e:  # ValueError: a NUL in the path
@@ -172,7 +186,7 @@ class TrainerService:
             config, output_dir, partial(self._on_event, record), self._ranks
         )
         self._runs[name] = record
-        record.task = asyncio.create_task(self._run(record, resume))
+        record.task = asyncio.create_task(self._run(record, resume, resume_from))
         return record
 
     def runs(self) -> list[RunRecord]:
@@ -234,9 +248,9 @@ class TrainerService:
         record.controller.checkpoint_requests.append(request)
         return request.done
 
-    async def _run(self, record: RunRecord, resume: bool) -> None:
+    async def _run(self, record: RunRecord, resume: bool, resume_from: str | None) -> None:
         try:
-            await record.controller.run(resume)
+            await record.controller.run(resume, resume_from)
             stopped = record.controller.step < record.controller.total_steps
             self._set_state(record, RunState.STOPPED if stopped else RunState.SUCCEEDED)
         except Exception as e:  # a failed run is reported to its callers, not raised here

@@ -31,7 +31,7 @@ from trainer_svc.batch import Batch
 from trainer_svc.config import LoraSettings, SftConfig, TrainSettings
 from trainer_svc.data import ConversationRecord, EpochSampler, load_conversations
 from trainer_svc.fsdp import FsdpPolicy
-from trainer_svc.ranks import Models, checkpoint_state, share_of
+from trainer_svc.ranks import Models, share_of
 from trainer_svc.report import LOSS_PLOT
 from trainer_svc.run_loop import FINAL_MODEL, ProgressEvent, RunLoop
 from turnrl.chat_tokens import conversation_ids_and_loss_mask
@@ -154,7 +154,7 @@ class SftController(RunLoop):
         # With sft.epochs, counted from the data at setup.
         return 0 if self.config.sft.epochs is not None else self.config.steps
 
-    async def run(self, resume: bool) -> dict[str, Any]:
+    async def run(self, resume: bool, resume_from: str | None = None) -> dict[str, Any]:
         started = time.monotonic()
         config = self.config
         model_path, tokenizer = await self._model_and_tokenizer()
@@ -175,7 +175,7 @@ class SftController(RunLoop):
         self.total_steps = config.sft.run_steps(config.steps, len(self.train_examples))
         optim = config.optim.for_run(self.total_steps)
         await self.ranks.build(sft_models, model_path, optim, config.lora)
-        resumed = resume and await self._restore_checkpoint() is not None
+        resumed = resume and await self._restore_checkpoint(resume_from) is not None
         await self._open_report(resumed, LOSS_PLOT)
         await self._open_hub_repo()
         tokens = sum(len(example.token_ids) for example in self.train_examples)
@@ -224,8 +224,7 @@ class SftController(RunLoop):
         self.emit(ProgressEvent(self.step, "eval", metrics, message))
 
     async def _checkpoint(self) -> None:
-        state = await self.ranks.run(checkpoint_state)
-        await self._save_checkpoint(state, {"data_position": self.sampler.position})
+        await self._save_checkpoint({}, {"data_position": self.sampler.position})
 
     def _summary(self, wall_seconds: float) -> dict[str, Any]:
         report = self.report

@@ -2,7 +2,7 @@
 
     turnrl serve {tool,reward,rollout,trainer} [--config F] [--host H] [--port N] [key=value ...]
     turnrl up [--config F] [--launcher local|ray] [--check] [key=value ...]
-    turnrl run --config F [--launcher local|ray] [--resume] [key=value ...]
+    turnrl run --config F [--launcher local|ray] [--resume | --resume-from CKPT] [key=value ...]
     turnrl eval --config F --model PATH [--output DIR] [--launcher local|ray] [key=value ...]
     turnrl health --addr H:P [--service NAME]
     turnrl tool list [--addr H:P]
@@ -95,7 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(run, config_required=True)
     _add_launcher_arg(run)
     run.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
-    run.set_defaults(handler=lambda a: asyncio.run(launcher.run(a.config, a.overrides, a.resume)))
+    run.add_argument(
+        "--resume-from",
+        metavar="CKPT",
+        help="continue from this checkpoint of the run: step_000040 (under its checkpoints/) or 40",
+    )
+    run.set_defaults(
+        handler=lambda a: asyncio.run(
+            launcher.run(
+                a.config, a.overrides, a.resume or a.resume_from is not None, a.resume_from
+            )
+        )
+    )
 
     evaluate = commands.add_parser(
         "eval", help="evaluate a model on the held-out data (trainer.eval), without training"

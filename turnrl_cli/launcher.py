@@ -116,13 +116,14 @@ async def evaluate(
         f"trainer.output_dir={output.parent}",
         f"trainer.run_name={output.name}",
     ]
-    return await run(config_path, [*overrides, *evaluation], False, eval_table)
+    return await run(config_path, [*overrides, *evaluation], False, final_table=eval_table)
 
 
 async def run(
     config_path: Path,
     overrides: Sequence[str],
     resume: bool,
+    resume_from: str | None = None,
     final_table: Callable[[trainer_pb2.Run], Table] = summary_table,
 ) -> int:
     """`turnrl run`: start the services the config does not point at, submit the run
@@ -150,7 +151,9 @@ async def run(
                 code = await _submit_and_follow(
                     trainer,
                     trainer_pb2.StartRunRequest(
-                        config_yaml=_run_config_yaml(project, services), resume=resume
+                        config_yaml=_run_config_yaml(project, services),
+                        resume=resume,
+                        resume_from=resume_from or "",
                     ),
                     supervisor if restarted else None,
                     project.launcher.startup_timeout_seconds,

@@ -311,8 +311,8 @@ def _described_settings(settings: TinyModelSettings) -> dict[str, Any]:
     groups only (an SFT batch has none), so it is left out, and the shipped folders keep their
     names. The task names the folder and decides the conversations: left out too, so the
     calculator models keep the names they shipped under before there were tasks; and so are
-    the judge's settings while there is no judge, and calls_shown (with its share) while it is
-    0, for the models shipped before them."""
+    the judge's settings while there is no judge, calls_shown (with its share) while it is
+    0, and packed micro-batches while off, for the models shipped before them."""
     described = settings.model_dump(
         mode="json", exclude={"task": True, "optim": {"shared_prefix_forward"}}
     )
@@ -320,6 +320,8 @@ def _described_settings(settings: TinyModelSettings) -> dict[str, Any]:
         del described["judge_share"], described["judge_noise"]
     if not settings.calls_shown:
         del described["calls_shown"], described["calls_shown_share"]
+    if not settings.optim.pack_sequences:
+        del described["optim"]["pack_sequences"]
     return described
 
 

@@ -36,6 +36,16 @@ HEADLINE_KEYS = {
         "chain_share_end_turn",
     },
     "train_throughput": {"tokens_per_s_2rank_fp32", "s_per_step_2rank_fp32"},
+    "trainer_memory": {
+        "load_peak_ratio_before",
+        "load_peak_ratio_after",
+        "checkpoint_peak_ratio_rank0_before",
+        "checkpoint_peak_ratio_rank0_after",
+        "export_peak_ratio_rank0_after",
+        "packed_speedup",
+        "packed_peak_mib",
+        "padded_peak_mib",
+    },
     "vs_trl": {"ratio_single_call", "turnrl_single_s_per_step", "trl_single_s_per_step"},
     "weight_push": {"fraction_of_raw", "push_s", "raw_s"},
 }

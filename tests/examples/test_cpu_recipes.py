@@ -21,7 +21,7 @@ async def test_the_recipe_runs_through_the_services(task, tmp_path):
     code, _, stderr = await run_turnrl(
         "run", "--config", str(REPO_ROOT / "examples" / task / "config.yaml"), *FREE_PORTS,
         f"trainer.output_dir={tmp_path}", f"trainer.run_name={task}", "trainer.steps=2",
-        "trainer.eval_every=2", "trainer.checkpoint_every=0", "trainer.rollout.prompts_per_step=4",
+        "trainer.eval_every=2", "trainer.checkpoint.every=0", "trainer.rollout.prompts_per_step=4",
         "trainer.rollout.samples_per_prompt=4", "trainer.data.generated_eval_size=16",
         timeout_seconds=420,
     )  # fmt: skip

@@ -59,7 +59,7 @@ def _steps_logged(run_dir: Path) -> int:
 
 
 # The trainer is restarted when its policy says so, and resumes from its last checkpoint.
-RESTARTED_TRAINER = ["launcher.restart.trainer.mode=on-failure", "trainer.checkpoint_every=1"]
+RESTARTED_TRAINER = ["launcher.restart.trainer.mode=on-failure", "trainer.checkpoint.every=1"]
 
 
 @pytest.mark.parametrize("victim", ["tool", "reward", "rollout", "trainer"])
@@ -70,7 +70,7 @@ async def test_a_service_killed_mid_step_is_restarted_and_the_run_loses_nothing(
     process = await spawn_turnrl(
         "run", "--config", str(EXAMPLE_CONFIG), *FREE_PORTS, *example_on_tiny_model,
         f"trainer.output_dir={tmp_path}", "trainer.run_name=faults",
-        f"trainer.steps={STEPS}", "trainer.eval_every=0", "trainer.checkpoint_every=0",
+        f"trainer.steps={STEPS}", "trainer.eval_every=0", "trainer.checkpoint.every=0",
         *(RESTARTED_TRAINER if victim == "trainer" else []),
         f"trainer.rollout.prompts_per_step={PROMPTS_PER_STEP}",
         f"trainer.rollout.samples_per_prompt={SAMPLES_PER_PROMPT}", "trainer.loggers=[]",

@@ -262,7 +262,9 @@ def _trainer_configs() -> st.SearchStrategy[str]:
             "ranks": st.integers(-1, 3),
             "run_name": _path_safe_texts(),
             "eval_every": st.integers(-1, 3),
-            "checkpoint_every": st.integers(-1, 3),
+            "checkpoint": st.fixed_dictionaries(
+                {"every": st.integers(-1, 3), "keep_last": st.integers(-1, 3)}
+            ),
             "model_path": st.none() | TEXTS,
         },
     )

@@ -1,27 +1,39 @@
 """One rank of test_fsdp's 2-rank run; also the batch, settings and loss the test shares with it.
 
     torchrun --standalone --nproc-per-node 2 tests/trainer_svc/fsdp_worker.py \
-        MODEL_DIR CHECKPOINT_FILE OUT_DIR
+        MODEL_DIR CHECKPOINT OUT_DIR
 
 Rank r trains on rows r, r + 2, ... of `fixed_batch()`: the whole batch's logprobs before
 training (each rank forwards its own rows), the first step's gradients, the weights after 3
-steps, its weights after loading CHECKPOINT_FILE (written by one process after 2 steps) and
-stepping once more, a bf16 step with activation checkpointing, and the logprobs, first
+steps (checkpointed, each rank its shards, in OUT_DIR/run), its weights after loading the
+checkpoint folder CHECKPOINT (written by one process after 2 steps) and stepping once more
+(checkpointed in the background while one more step trains, in OUT_DIR/background), a bf16 step with activation checkpointing, and the logprobs, first
 gradients and metrics of `grouped_batch()` (prefixes computed once per group), all go into
 OUT_DIR/rank0.pt (rank 0); the model after 3 steps is also exported to OUT_DIR/hf.
 """
 
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from trainer_svc.batch import Batch
+from trainer_svc.checkpoint import (
+    CHECKPOINTS,
+    SHARDS_FOLDER,
+    CheckpointState,
+    checkpoint_name,
+    finish_checkpoint,
+    new_staging_folder,
+)
 from trainer_svc.config import TrainSettings
 from trainer_svc.fsdp import FsdpPolicy
-from trainer_svc.ranks import exit_without_finalizing
+from trainer_svc.ranks import Models, exit_without_finalizing, restore, save_checkpoint_shards
 
 # Small enough for several micro-batches per rank, and a different count on each rank.
 SETTINGS = TrainSettings(learning_rate=1e-3, grad_clip=0.5, micro_batch_tokens=24)
@@ -100,7 +112,39 @@ def step_gradients(policy: FsdpPolicy) -> dict[str, torch.Tensor]:
     return gradients
 
 
-def main(model_dir: str, checkpoint_file: str, out_dir: str) -> None:
+def write_checkpoint(
+    models: Models, run_dir: Path, step: int, meanwhile: Callable[[], object] | None = None
+) -> Path:
+    """The run loop's checkpoint of `models` at `step`, in run_dir/checkpoints; collective
+    under FSDP: rank 0 makes the folder, every rank writes its shards into it. With
+    `meanwhile`, the shards are written in the background while it runs."""
+    staging = [new_staging_folder(run_dir, step) if models.policy.rank == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(staging, src=0)
+    state = CheckpointState.now(step, {}, {"data_position": 0})
+    plain, writing = save_checkpoint_shards(models, staging[0], meanwhile is not None)
+    if meanwhile is not None:
+        meanwhile()
+        writing.result()
+    state.tensors.update(plain)
+    if models.policy.rank == 0:
+        finish_checkpoint(staging[0], run_dir, state)
+    if dist.is_initialized():
+        dist.barrier()
+    return run_dir / CHECKPOINTS / checkpoint_name(step)
+
+
+def checkpoint_tensors(folder: Path, role: str = "policy", kind: str = "model") -> dict:
+    """The tensors of `role`'s `kind` (model, optimizer) in the checkpoint `folder`, under
+    their names there, as its shard files hold them (whole, when one process wrote it)."""
+    prefix = f"{role}/{kind}/"
+    tensors = {}
+    for file in sorted((folder / SHARDS_FOLDER).glob("*.safetensors")):
+        tensors |= {k[len(prefix) :]: t for k, t in load_file(file).items() if k.startswith(prefix)}
+    return tensors
+
+
+def main(model_dir: str, checkpoint: str, out_dir: str) -> None:
     policy = FsdpPolicy(model_dir, SETTINGS)
     logprobs, _ = policy.logprobs(fixed_batch())
     rows = rank_rows(fixed_batch(), policy.rank, policy.world_size)
@@ -110,9 +154,13 @@ def main(model_dir: str, checkpoint_file: str, out_dir: str) -> None:
     pushed = policy.full_weights(bucket_size_bytes=4096)
     assert (pushed is None) == (policy.rank != 0)
     policy.save_pretrained(Path(out_dir) / "hf")
-    policy.load_checkpoint_state(torch.load(checkpoint_file, weights_only=False))
+    write_checkpoint(Models(policy), Path(out_dir) / "run", STEPS)
+    restore(Models(policy), Path(checkpoint))
     resumed_metrics = policy.train_step(rows, token_mean_loss)
     resumed = policy.full_state_dict()
+    # Written in the background while the next step trains: the state it was taken at.
+    stepping = partial(policy.train_step, rows, token_mean_loss)
+    write_checkpoint(Models(policy), Path(out_dir) / "background", STEPS + 1, stepping)
 
     bf16_settings = SETTINGS.model_copy(
         update={"dtype": "bfloat16", "activation_checkpointing": True}

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from tests.trainer_svc.fsdp_worker import SETTINGS, fixed_batch, rank_rows, token_mean_loss
 from tests.trainer_svc.test_lora import LORA
+from trainer_svc.checkpoint import model_checkpoint_state
 from trainer_svc.fsdp import FsdpPolicy
 from trainer_svc.ranks import exit_without_finalizing
 
@@ -28,7 +29,7 @@ def main(model_dir: str, out_dir: str) -> None:
     metrics = policy.train_step(rank_rows(batch, policy.rank, policy.world_size), token_mean_loss)
     adapters = policy.adapter_state_dict()
     merged = policy.full_state_dict()
-    checkpoint = policy.state_dict_for_checkpoint()["model"]
+    checkpoint = model_checkpoint_state(policy)[0]["model"]
     counts = [torch.zeros(1, dtype=torch.long) for _ in range(policy.world_size)]
     dist.all_gather(counts, torch.tensor([len(adapters)]))
     if policy.rank == 0:

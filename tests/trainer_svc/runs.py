@@ -18,7 +18,7 @@ State = trainer_pb2.Run.State
 SMALL_RUN = {
     "steps": 2,
     "eval_every": 1,
-    "checkpoint_every": 1,
+    "checkpoint": {"every": 1},
     "loggers": ["wandb"],
     "data": {"generated_train_size": 64, "generated_eval_size": 8},
     "rollout": {"prompts_per_step": 2, "samples_per_prompt": 4, "max_turns": 3},

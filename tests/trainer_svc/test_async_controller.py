@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainer_svc.async_controller import AsyncController
-from trainer_svc.checkpoint import load_latest_checkpoint
+from trainer_svc.checkpoint import find_checkpoint, read_checkpoint_state
 from trainer_svc.config import DataConfig, TrainerConfig, WeightSyncConfig
 from trainer_svc.data import EpochSampler, PromptRecord, load_datasets
 from trainer_svc.ledger import PromptLedger, prompt_key
@@ -97,7 +97,7 @@ async def test_a_checkpoint_and_the_ledger_settle_a_filtered_group_once(
         comes_back_filtered()
         await checkpoint
 
-    state = load_latest_checkpoint(tmp_path)
+    state = read_checkpoint_state(find_checkpoint(tmp_path))
     assert state["step"] == 1
     ledger = PromptLedger(tmp_path)
     ledger.rewind(state["step"])

@@ -85,7 +85,7 @@ async def test_an_async_run_killed_mid_step_and_resumed_trains_every_prompt_once
         "trainer.run_name=ledger",
         "trainer.steps=4",
         "trainer.eval_every=0",
-        "trainer.checkpoint_every=1",
+        "trainer.checkpoint.every=1",
         "trainer.loggers=[]",
         "trainer.data.generated_train_size=8",  # one epoch: 4 steps x 2 prompts
         "trainer.data.generated_eval_size=4",

@@ -7,10 +7,11 @@ import torch
 from torch import nn
 from transformers import Qwen3ForTokenClassification
 
-from tests.trainer_svc.fsdp_worker import SETTINGS, fixed_batch
+from tests.trainer_svc.fsdp_worker import SETTINGS, fixed_batch, write_checkpoint
 from trainer_svc.config import AlgorithmConfig, CriticConfig
 from trainer_svc.critic import FsdpCritic
 from trainer_svc.fsdp import FsdpPolicy
+from trainer_svc.ranks import Models, restore
 from trainer_svc.rl_step import make_value_loss_fn, prepare_update, rollout_batch
 from turnrl.trajectory import (
     FinishReason,
@@ -138,11 +139,12 @@ def test_checkpoint_round_trip_restores_the_critic(model_dir, tmp_path):
     loss_fn = make_value_loss_fn(GAE, CriticConfig(), normalizer=16)
     trained = FsdpCritic(model_dir, settings)
     trained.train_step(batch, loss_fn)
-    torch.save(trained.state_dict_for_checkpoint(), tmp_path / "critic.pt")
+    policy = FsdpPolicy(model_dir, settings)
+    checkpoint = write_checkpoint(Models(policy, critic=trained), tmp_path, 1)
     expected_metrics = trained.train_step(batch, loss_fn)
 
     resumed = FsdpCritic(model_dir, settings)
-    resumed.load_checkpoint_state(torch.load(tmp_path / "critic.pt", weights_only=False))
+    restore(Models(FsdpPolicy(model_dir, settings), critic=resumed), checkpoint)
     assert resumed.train_step(batch, loss_fn) == pytest.approx(expected_metrics, abs=0)
     assert expected_metrics.keys() == {"loss", "grad_norm", "lr", "clip_fraction"}
     torch.testing.assert_close(resumed.values(batch), trained.values(batch), atol=0, rtol=0)

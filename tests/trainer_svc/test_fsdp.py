@@ -14,11 +14,13 @@ from tests.trainer_svc.fsdp_worker import (
     grouped_batch,
     step_gradients,
     token_mean_loss,
+    write_checkpoint,
 )
 from tests.trainer_svc.two_ranks import run_on_two_ranks
 from trainer_svc.batch import Batch, micro_batch_rows
 from trainer_svc.config import TrainSettings
 from trainer_svc.fsdp import FsdpPolicy, lr_factor
+from trainer_svc.ranks import Models, restore
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 WORKER_TIMEOUT_SECONDS = 120
@@ -110,17 +112,16 @@ def test_two_rank_fsdp_equals_one_process(model_dir, tmp_path):
     single_logprobs, _ = single.logprobs(batch)
     single_gradients = step_gradients(single)
     single_metrics = [single.train_step(batch, token_mean_loss) for _ in range(STEPS - 1)]
-    torch.save(single.state_dict_for_checkpoint(), tmp_path / "step2.pt")
+    step2 = write_checkpoint(Models(single), tmp_path / "single", STEPS - 1)
     single_metrics.append(single.train_step(batch, token_mean_loss))
     single_trained = single.full_state_dict()
+    single_next = single.train_step(batch, token_mean_loss)
     grouped = policy(model_dir)
     grouped_logprobs, _ = grouped.logprobs(grouped_batch())
     grouped_gradients = step_gradients(grouped)
     grouped_metrics = grouped.train_step(grouped_batch(), token_mean_loss)
 
-    run_on_two_ranks(
-        WORKER, model_dir, tmp_path / "step2.pt", tmp_path, timeout_seconds=WORKER_TIMEOUT_SECONDS
-    )
+    run_on_two_ranks(WORKER, model_dir, step2, tmp_path, timeout_seconds=WORKER_TIMEOUT_SECONDS)
     ranks = torch.load(tmp_path / "rank0.pt", weights_only=False)
 
     torch.testing.assert_close(ranks["logprobs"], single_logprobs, atol=1e-6, rtol=0)
@@ -142,6 +143,17 @@ def test_two_rank_fsdp_equals_one_process(model_dir, tmp_path):
     assert ranks["grouped_metrics"] == pytest.approx(grouped_metrics, abs=1e-5)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     assert max_difference(exported.state_dict(), ranks["trained"]) == 0
+    # The two ranks' checkpoint, each rank's shards, loads in one process: the same weights,
+    # and Adam's state with them (the next step as the one process's own, within float noise).
+    resumed = policy(model_dir)
+    restore(Models(resumed), tmp_path / "run" / "checkpoints" / f"step_{STEPS:06d}")
+    assert max_difference(resumed.full_state_dict(), ranks["trained"]) == 0
+    assert resumed.train_step(batch, token_mean_loss) == pytest.approx(single_next, abs=1e-5)
+    # The checkpoint the two ranks wrote in the background while they trained on holds the
+    # weights of its step.
+    background = policy(model_dir)
+    restore(Models(background), tmp_path / "background" / "checkpoints" / f"step_{STEPS + 1:06d}")
+    assert max_difference(background.full_state_dict(), ranks["resumed"]) == 0
 
 
 def test_full_weights_are_the_live_weights_laid_out_for_a_push(model_dir):
@@ -163,11 +175,11 @@ def test_checkpoint_resumes_identically_and_export_loads_with_transformers(model
     batch = fixed_batch()
     trained = policy(model_dir, **settings)
     trained.train_step(batch, token_mean_loss)
-    torch.save(trained.state_dict_for_checkpoint(), tmp_path / "checkpoint.pt")
+    checkpoint = write_checkpoint(Models(trained), tmp_path / "run", 1)
     expected_metrics = trained.train_step(batch, token_mean_loss)
 
     resumed = policy(model_dir, **settings)
-    resumed.load_checkpoint_state(torch.load(tmp_path / "checkpoint.pt", weights_only=False))
+    restore(Models(resumed), checkpoint)
     assert resumed.train_step(batch, token_mean_loss) == pytest.approx(expected_metrics, abs=0)
     assert max_difference(resumed.full_state_dict(), trained.full_state_dict()) == 0
 

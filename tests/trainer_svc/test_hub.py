@@ -18,6 +18,7 @@ from turnrl.errors import InvalidArgumentError
 from turnrl.v1 import trainer_pb2
 
 from ..conftest import serve_subprocess
+from .fsdp_worker import checkpoint_tensors
 from .hub_server import HubServer
 from .runs import follow, run_config
 from .test_rollout_router import rollout_settings
@@ -57,7 +58,7 @@ async def test_a_run_uploads_the_model_of_every_n_steps_and_its_final_model(
         run_name="pushed",
         steps=4,
         eval_every=0,
-        checkpoint_every=2,
+        checkpoint={"every": 2},
         push_to_hub=push_to_hub(hub, every_n_steps=2),
     )
     async with trainer_stub(tmp_path, str(tiny_model_dir)) as stub:
@@ -77,15 +78,13 @@ async def test_a_run_uploads_the_model_of_every_n_steps_and_its_final_model(
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(final.files)
     # Step 2's upload holds step 2's weights, those of its checkpoint.
     assert set(step_2.files) == set(final.files)
-    checkpoint = torch.load(run_dir / "checkpoints/step_000002/state.pt", weights_only=True)
+    checkpoint = checkpoint_tensors(run_dir / "checkpoints" / "step_000002")
     uploaded = load(step_2.files["model.safetensors"])
+    assert uploaded.keys() == checkpoint.keys()
     for name, tensor in uploaded.items():
-        torch.testing.assert_close(tensor, checkpoint["policy"]["model"][name], rtol=0, atol=0)
-    assert (
-        uploaded["lm_head.weight"]
-        .ne(load(final.files["model.safetensors"])["lm_head.weight"])
-        .any()
-    )
+        torch.testing.assert_close(tensor, checkpoint[name], rtol=0, atol=0)
+    final_weights = load(final.files["model.safetensors"])
+    assert uploaded["model.norm.weight"].ne(final_weights["model.norm.weight"]).any()
     # The step's export was a temporary folder, gone once uploaded.
     assert not [name for name in os.listdir(run_dir) if name.startswith(".upload-")]
 
@@ -115,7 +114,7 @@ async def test_an_rl_run_through_the_services_uploads_its_models(hub, tiny_model
     ):
         config = run_config(
             {"rollout": rollout.address}, tmp_path, run_name="rl", eval_every=0,
-            checkpoint_every=0, loggers=[], push_to_hub=push_to_hub(hub, every_n_steps=1),
+            checkpoint={"every": 0}, loggers=[], push_to_hub=push_to_hub(hub, every_n_steps=1),
             # Smaller than SMALL_RUN: one prompt of 2 samples a step, 2 held-out prompts.
             data={"generated_train_size": 8, "generated_eval_size": 2},
             rollout={"prompts_per_step": 1, "samples_per_prompt": 2, "max_turns": 2},

@@ -14,7 +14,7 @@ from tests.conftest import serve_subprocess
 from tests.trainer_svc.runs import read_dump, run_config, run_to_end
 from tests.trainer_svc.test_rl_step import TWO_TURNS, trajectory
 from tests.trainer_svc.test_rollout_router import rollout_settings
-from trainer_svc.checkpoint import load_latest_checkpoint
+from trainer_svc.checkpoint import find_checkpoint, read_checkpoint_state
 from trainer_svc.config import JudgeTrainingConfig
 from trainer_svc.judge_training import (
     JUDGE_DATA_SOURCE,
@@ -238,7 +238,7 @@ async def test_a_judge_of_its_own_trains_and_is_pushed_apart_from_the_policy(
     assert dumped and JUDGE_DATA_SOURCE not in {r["data_source"] for r in dumped}
     assert judge_stats.policy_version == policy_stats.policy_version == 3
     assert judge_stats.finished_trajectories > policy_stats.finished_trajectories
-    state = load_latest_checkpoint(run_dir)
+    state = read_checkpoint_state(find_checkpoint(run_dir))
     assert state["step"] == 2 and "judge" in state
     exported = run_dir / "final_model"
     weights = {

@@ -12,15 +12,23 @@ from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from tests.trainer_svc.fsdp_worker import SETTINGS, fixed_batch, token_mean_loss
+from tests.trainer_svc.fsdp_worker import (
+    SETTINGS,
+    checkpoint_tensors,
+    fixed_batch,
+    token_mean_loss,
+    write_checkpoint,
+)
 from tests.trainer_svc.runs import State, follow, run_config
 from tests.trainer_svc.test_weight_push import connected, load, packed
 from tests.trainer_svc.two_ranks import run_on_two_ranks
 from trainer_svc.batch import Batch
+from trainer_svc.checkpoint import model_checkpoint_state
 from trainer_svc.config import LoraSettings
 from trainer_svc.forward import whole_row_logprobs
 from trainer_svc.fsdp import FsdpPolicy
 from trainer_svc.lora import add_lora_adapters, lora_config
+from trainer_svc.ranks import Models, restore
 from trainer_svc.run_loop import FINAL_MODEL
 from turnrl import rpc
 from turnrl.config import ClientConfig
@@ -125,13 +133,13 @@ def test_adapters_have_the_names_and_files_peft_writes(model_dir, tmp_path):
 def test_a_checkpoint_holds_the_adapters_and_resumes_identically(model_dir, tmp_path):
     batch = fixed_batch()
     trained = trained_policy(model_dir, steps=1)
-    state = trained.state_dict_for_checkpoint()
-    assert state["model"] and all(".lora_" in name for name in state["model"])
-    torch.save(state, tmp_path / "checkpoint.pt")
+    checkpoint = write_checkpoint(Models(trained), tmp_path, 1)
+    names = checkpoint_tensors(checkpoint)
+    assert names and all(".lora_" in name for name in names)
     expected_metrics = trained.train_step(batch, token_mean_loss)
 
     resumed = lora_policy(model_dir)
-    resumed.load_checkpoint_state(torch.load(tmp_path / "checkpoint.pt", weights_only=True))
+    restore(Models(resumed), checkpoint)
     assert resumed.train_step(batch, token_mean_loss) == pytest.approx(expected_metrics, abs=0)
     assert all(
         torch.equal(resumed.full_state_dict()[name], tensor)
@@ -194,7 +202,7 @@ def test_two_rank_fsdp_equals_one_process(model_dir, tmp_path):
     assert ranks["merged"].keys() == single_merged.keys()
     for name, tensor in single_merged.items():
         torch.testing.assert_close(ranks["merged"][name], tensor, atol=2e-5, rtol=0)
-    assert ranks["checkpoint"].keys() == single.state_dict_for_checkpoint()["model"].keys()
+    assert ranks["checkpoint"].keys() == model_checkpoint_state(single)[0]["model"].keys()
     assert ranks["other_rank_adapters"] == 0
 
 
@@ -234,11 +242,10 @@ async def test_a_lora_run_pushes_its_adapters_exports_them_and_resumes(
     assert max(on_policy) < 1e-5
 
     run_dir = Path(run.output_dir)
-    state = torch.load(run_dir / "checkpoints" / "step_000003" / "state.pt", weights_only=True)
-    assert state["policy"]["model"]
-    assert all(".lora_" in name for name in state["policy"]["model"])
+    adapters = checkpoint_tensors(run_dir / "checkpoints" / "step_000003")
+    assert adapters and all(".lora_" in name for name in adapters)
     summary = json.loads((run_dir / "summary.json").read_text())
-    adapter_sizes = [tensor.numel() for tensor in state["policy"]["model"].values()]
+    adapter_sizes = [tensor.numel() for tensor in adapters.values()]
     assert summary["trainable_parameters"] == sum(adapter_sizes)
     final_model = run_dir / FINAL_MODEL
     assert (final_model / "adapter_config.json").is_file()

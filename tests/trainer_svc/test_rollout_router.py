@@ -263,7 +263,7 @@ async def test_a_run_goes_on_without_a_killed_replica_which_rejoins_at_a_push(
         second = await stack.enter_async_context(serve_subprocess("rollout", *settings, port=port))
         config = run_config(
             {"rollout": f"{first.address},{second.address}"}, tmp_path, run_name="rejoin",
-            steps=1000, eval_every=0, checkpoint_every=0, loggers=[],
+            steps=1000, eval_every=0, checkpoint={"every": 0}, loggers=[],
         )  # fmt: skip
         run_dir = tmp_path / "rejoin"
         async with rpc.open_channel(ClientConfig(address=trainer.address)) as channel:

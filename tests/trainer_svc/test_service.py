@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from trainer_svc import service as service_module
-from trainer_svc.ranks import Ranks
+from trainer_svc.ranks import Models, Ranks
 from trainer_svc.run_loop import ProgressEvent, RunLoop
 from trainer_svc.server import TrainerServicer
 from trainer_svc.service import RunEvent, RunState, TrainerService
@@ -36,7 +36,8 @@ class ScriptedLoop(RunLoop):
         super().request_stop()
         self.allowed.release()  # a stop ends the wait for the next step
 
-    async def run(self, resume: bool) -> dict:
+    async def run(self, resume: bool, resume_from: str | None = None) -> dict:
+        await self.ranks.build(Models, None)  # no model: a checkpoint holds the loop's state
         self.emit(ProgressEvent(0, "setup", message="scripted"))
         while self.step < self.total_steps:
             await self.allowed.acquire()
@@ -71,7 +72,12 @@ def service(monkeypatch, tmp_path) -> TrainerService:
 
 
 def config_yaml(output_dir: Path, **trainer) -> str:
-    section = {"steps": 2, "eval_every": 0, "checkpoint_every": 0, "output_dir": str(output_dir)}
+    section = {
+        "steps": 2,
+        "eval_every": 0,
+        "checkpoint": {"every": 0},
+        "output_dir": str(output_dir),
+    }
     return yaml.safe_dump({"trainer": {**section, **trainer}})
 
 

@@ -33,6 +33,7 @@ from turnrl_cli.model_paths import load_with_tiny_model
 from turnrl_demo.tiny_model import build_tiny_model
 
 from ..conftest import EXAMPLE_CONFIG, run_turnrl, serve_in_process
+from .fsdp_worker import checkpoint_tensors
 
 State = trainer_pb2.Run.State
 SFT_EXAMPLE = REPO_ROOT / "examples" / "calculator" / "sft.yaml"
@@ -40,7 +41,7 @@ SFT_EXAMPLE = REPO_ROOT / "examples" / "calculator" / "sft.yaml"
 SMALL_SFT_RUN = {
     "mode": "sft",
     "eval_every": 2,
-    "checkpoint_every": 2,
+    "checkpoint": {"every": 2},
     "loggers": [],
     "data": {"generated_train_size": 12, "generated_eval_size": 4},
     "sft": {"conversations_per_step": 4},
@@ -165,10 +166,10 @@ async def test_an_sft_run_of_one_epoch_logs_evaluates_checkpoints_and_exports(
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "final_model")
     AutoTokenizer.from_pretrained(run_dir / "final_model")
     checkpoint = run_dir / "checkpoints" / "step_000003"
-    state = torch.load(checkpoint / "state.pt", weights_only=True)
     assert json.loads((checkpoint / "state.json").read_text())["data_position"] == 12
-    for name, tensor in exported.state_dict().items():
-        torch.testing.assert_close(tensor, state["policy"]["model"][name], rtol=0, atol=0)
+    exported_state = exported.state_dict()
+    for name, tensor in checkpoint_tensors(checkpoint).items():
+        torch.testing.assert_close(exported_state[name], tensor, rtol=0, atol=0)
 
 
 async def test_an_sft_run_with_lora_trains_the_adapters_alone_and_exports_them(
@@ -231,7 +232,7 @@ async def test_a_stopped_sft_run_resumes_where_it_stopped(tiny_model_dir, tmp_pa
             "model_path": str(tiny_model_dir),
             "steps": 4,
             "eval_every": 0,
-            "checkpoint_every": 0,
+            "checkpoint": {"every": 0},
         }
     )
     for name in ("whole", "stopped"):
@@ -276,7 +277,7 @@ async def test_sft_in_process_takes_the_steps_of_an_sft_run(tiny_model_dir, tmp_
             "model_path": str(tiny_model_dir),
             "steps": 3,
             "eval_every": 0,
-            "checkpoint_every": 0,
+            "checkpoint": {"every": 0},
             "optim": {"learning_rate": 0.001, "warmup_steps": 1, "lr_schedule": "cosine"},
         }
     )

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from trainer_svc.checkpoint import checkpoint_folders
 from turnrl import errors, rpc
 from turnrl.config import ClientConfig
 from turnrl.v1 import trainer_pb2, trainer_pb2_grpc
@@ -27,6 +28,7 @@ from ..conftest import (
     serve_subprocess,
     spawn_turnrl,
 )
+from .fsdp_worker import checkpoint_tensors
 from .runs import check_dumps, follow, read_dump, run_config, run_to_end
 
 State = trainer_pb2.Run.State
@@ -85,29 +87,48 @@ async def test_a_run_trains_evaluates_pushes_checkpoints_and_exports(
         # Synchronous: sampled by the weights the trainer recomputed them with.
         assert record["staleness"] == 0 and record["logprob_mismatch"] < 1e-4, record
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "final_model")
-    state = torch.load(run_dir / "checkpoints" / "step_000002" / "state.pt", weights_only=True)
-    for name, tensor in exported.state_dict().items():
-        torch.testing.assert_close(tensor, state["policy"]["model"][name], rtol=0, atol=0)
+    exported_state = exported.state_dict()
+    for name, tensor in checkpoint_tensors(run_dir / "checkpoints" / "step_000002").items():
+        torch.testing.assert_close(exported_state[name], tensor, rtol=0, atol=0)
 
 
 async def test_a_gae_run_trains_a_critic_checkpoints_it_and_resumes_with_it(services, tmp_path):
+    """Checkpoints written in the background, the newest two kept; the run resumed from the
+    one it names, its step 1, trains steps 2 and 3 again from there."""
     gae = {
         "eval_every": 0,
         "algorithm": {"advantage_estimator": "gae", "gae_lambda": 0.95},
         "critic": {"optim": {"learning_rate": 0.001}, "critic_only_steps": 1},
+        "checkpoint": {"every": 1, "keep_last": 2, "async_save": True},
     }
-    checkpoint = tmp_path / "gae" / "checkpoints" / "step_000002" / "state.pt"
+    checkpoint = tmp_path / "gae" / "checkpoints" / "step_000001"
     async with rpc.open_channel(ClientConfig(address=services["trainer"])) as channel:
         stub = trainer_pb2_grpc.TrainerServiceStub(channel)
-        for steps, resume in ((2, False), (3, True)):  # two steps, then one more after a resume
+        for steps, resume_from in ((2, ""), (3, "1")):  # two steps, then two after step 1
             config = run_config(services, tmp_path, run_name="gae", steps=steps, **gae)
-            request = trainer_pb2.StartRunRequest(config_yaml=config, resume=resume)
+            request = trainer_pb2.StartRunRequest(
+                config_yaml=config, resume=bool(resume_from), resume_from=resume_from
+            )
             await stub.StartRun(request, timeout=60)
-            await follow(stub, "gae")
+            events = await follow(stub, "gae")
             run = (await stub.GetRun(trainer_pb2.GetRunRequest(run_name="gae"), timeout=10)).run
             assert run.state == State.STATE_SUCCEEDED and run.step == steps, run.error_message
-            if not resume:
-                state = torch.load(checkpoint, weights_only=True)
+            if not resume_from:
+                critic = checkpoint_tensors(checkpoint, "critic")
+                critic_optimizer = checkpoint_tensors(checkpoint, "critic", "optimizer")
+        assert [e.step for e in events if e.stage == "train"] == [2, 3]
+        assert [f.name for f in checkpoint_folders(tmp_path / "gae")] == [
+            "step_000002",
+            "step_000003",
+        ]
+        with pytest.raises(errors.NotFoundError, match=r"no checkpoint 'step_000001'; it has"):
+            request = trainer_pb2.StartRunRequest(
+                config_yaml=config, resume=True, resume_from="step_000001"
+            )
+            await stub.StartRun(request, timeout=60)
+        with pytest.raises(errors.InvalidArgumentError, match=r"set resume too"):
+            request = trainer_pb2.StartRunRequest(config_yaml=config, resume_from="2")
+            await stub.StartRun(request, timeout=60)
 
     run_dir = Path(run.output_dir)
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -120,7 +141,7 @@ async def test_a_gae_run_trains_a_critic_checkpoints_it_and_resumes_with_it(serv
             assert math.isfinite(record[f"critic/{name}"]), name
     # The new head starts at zero; the resumed run's values come from the checkpointed critic.
     assert train[1]["critic/value_mean"] == 0.0 and train[3]["critic/value_mean"] != 0.0
-    assert "score.weight" in state["critic"]["model"] and state["critic"]["optimizer"]["state"]
+    assert "score.weight" in critic and "score.weight.exp_avg" in critic_optimizer
     # The resumed run wrote its step's dumps beside the first run's.
     assert sorted(p.name for p in (run_dir / "rollouts").iterdir()) == [
         "step_000001.jsonl",
@@ -129,13 +150,14 @@ async def test_a_gae_run_trains_a_critic_checkpoints_it_and_resumes_with_it(serv
     ]
     assert len(read_dump(run_dir / "rollouts" / "step_000001.jsonl")) == 8
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "final_model")  # the policy only
-    assert exported.state_dict().keys() == state["policy"]["model"].keys()
+    assert checkpoint_tensors(checkpoint).keys() <= exported.state_dict().keys()
+    assert "score.weight" not in exported.state_dict()
 
 
 async def test_stop_and_save_checkpoint_during_a_run(services, tmp_path):
     async with rpc.open_channel(ClientConfig(address=services["trainer"])) as channel:
         stub = trainer_pb2_grpc.TrainerServiceStub(channel)
-        config = run_config(services, tmp_path, run_name="long", steps=100, checkpoint_every=0)
+        config = run_config(services, tmp_path, run_name="long", steps=100, checkpoint={"every": 0})
         await stub.StartRun(trainer_pb2.StartRunRequest(config_yaml=config), timeout=60)
         request = trainer_pb2.StreamProgressRequest(run_name="long")
         async for event in stub.StreamProgress(request, timeout=600):
@@ -310,7 +332,7 @@ async def test_turnrl_run_killed_and_resumed_reproduces_the_next_step(
         f"trainer.output_dir={tmp_path}",
         "trainer.steps=3",
         "trainer.eval_every=0",
-        "trainer.checkpoint_every=1",
+        "trainer.checkpoint.every=1",
         "trainer.loggers=[]",
         "trainer.data.generated_eval_size=4",
         "trainer.rollout.prompts_per_step=2",

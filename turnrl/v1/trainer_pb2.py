@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17turnrl/v1/trainer.proto\x12\tturnrl.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xd8\x03\n\x03Run\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x05state\x18\x02 \x01(\x0e\x32\x14.turnrl.v1.Run.State\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x04 \x01(\x03\x12.\n\nstart_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\noutput_dir\x18\x07 \x01(\t\x12\x15\n\rerror_message\x18\x08 \x01(\t\x12,\n\x07metrics\x18\t \x03(\x0b\x32\x1b.turnrl.v1.Run.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x93\x01\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATE_STARTING\x10\x01\x12\x11\n\rSTATE_RUNNING\x10\x02\x12\x12\n\x0eSTATE_STOPPING\x10\x03\x12\x13\n\x0fSTATE_SUCCEEDED\x10\x04\x12\x11\n\rSTATE_STOPPED\x10\x05\x12\x10\n\x0cSTATE_FAILED\x10\x06\"H\n\x0fStartRunRequest\x12\x13\n\x0b\x63onfig_yaml\x18\x01 \x01(\t\x12\x10\n\x08run_name\x18\x02 \x01(\t\x12\x0e\n\x06resume\x18\x03 \x01(\x08\"/\n\x10StartRunResponse\x12\x1b\n\x03run\x18\x01 \x01(\x0b\x32\x0e.turnrl.v1.Run\"!\n\rGetRunRequest\x12\x10\n\x08run_name\x18\x01 \x01(\t\"-\n\x0eGetRunResponse\x12\x1b\n\x03run\x18\x01 \x01(\x0b\x32\x0e.turnrl.v1.Run\")\n\x15StreamProgressRequest\x12\x10\n\x08run_name\x18\x01 \x01(\t\"\x86\x02\n\x16StreamProgressResponse\x12#\n\x05state\x18\x01 \x01(\x0e\x32\x14.turnrl.v1.Run.State\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05stage\x18\x03 \x01(\t\x12?\n\x07metrics\x18\x04 \x03(\x0b\x32..turnrl.v1.StreamProgressResponse.MetricsEntry\x12(\n\x04time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07message\x18\x06 \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\";\n\x0eStopRunRequest\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12\x17\n\x0fsave_checkpoint\x18\x02 \x01(\x08\".\n\x0fStopRunResponse\x12\x1b\n\x03run\x18\x01 \x01(\x0b\x32\x0e.turnrl.v1.Run\")\n\x15SaveCheckpointRequest\x12\x10\n\x08run_name\x18\x01 \x01(\t\">\n\x16SaveCheckpointResponse\x12\x16\n\x0e\x63heckpoint_dir\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x32\x86\x03\n\x0eTrainerService\x12\x43\n\x08StartRun\x12\x1a.turnrl.v1.StartRunRequest\x1a\x1b.turnrl.v1.StartRunResponse\x12=\n\x06GetRun\x12\x18.turnrl.v1.GetRunRequest\x1a\x19.turnrl.v1.GetRunResponse\x12W\n\x0eStreamProgress\x12 .turnrl.v1.StreamProgressRequest\x1a!.turnrl.v1.StreamProgressResponse0\x01\x12@\n\x07StopRun\x12\x19.turnrl.v1.StopRunRequest\x1a\x1a.turnrl.v1.StopRunResponse\x12U\n\x0eSaveCheckpoint\x12 .turnrl.v1.SaveCheckpointRequest\x1a!.turnrl.v1.SaveCheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17turnrl/v1/trainer.proto\x12\tturnrl.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xd8\x03\n\x03Run\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x05state\x18\x02 \x01(\x0e\x32\x14.turnrl.v1.Run.State\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x04 \x01(\x03\x12.\n\nstart_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\noutput_dir\x18\x07 \x01(\t\x12\x15\n\rerror_message\x18\x08 \x01(\t\x12,\n\x07metrics\x18\t \x03(\x0b\x32\x1b.turnrl.v1.Run.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x93\x01\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATE_STARTING\x10\x01\x12\x11\n\rSTATE_RUNNING\x10\x02\x12\x12\n\x0eSTATE_STOPPING\x10\x03\x12\x13\n\x0fSTATE_SUCCEEDED\x10\x04\x12\x11\n\rSTATE_STOPPED\x10\x05\x12\x10\n\x0cSTATE_FAILED\x10\x06\"]\n\x0fStartRunRequest\x12\x13\n\x0b\x63onfig_yaml\x18\x01 \x01(\t\x12\x10\n\x08run_name\x18\x02 \x01(\t\x12\x0e\n\x06resume\x18\x03 \x01(\x08\x12\x13\n\x0bresume_from\x18\x04 \x01(\t\"/\n\x10StartRunResponse\x12\x1b\n\x03run\x18\x01 \x01(\x0b\x32\x0e.turnrl.v1.Run\"!\n\rGetRunRequest\x12\x10\n\x08run_name\x18\x01 \x01(\t\"-\n\x0eGetRunResponse\x12\x1b\n\x03run\x18\x01 \x01(\x0b\x32\x0e.turnrl.v1.Run\")\n\x15StreamProgressRequest\x12\x10\n\x08run_name\x18\x01 \x01(\t\"\x86\x02\n\x16StreamProgressResponse\x12#\n\x05state\x18\x01 \x01(\x0e\x32\x14.turnrl.v1.Run.State\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05stage\x18\x03 \x01(\t\x12?\n\x07metrics\x18\x04 \x03(\x0b\x32..turnrl.v1.StreamProgressResponse.MetricsEntry\x12(\n\x04time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07message\x18\x06 \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\";\n\x0eStopRunRequest\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12\x17\n\x0fsave_checkpoint\x18\x02 \x01(\x08\".\n\x0fStopRunResponse\x12\x1b\n\x03run\x18\x01 \x01(\x0b\x32\x0e.turnrl.v1.Run\")\n\x15SaveCheckpointRequest\x12\x10\n\x08run_name\x18\x01 \x01(\t\">\n\x16SaveCheckpointResponse\x12\x16\n\x0e\x63heckpoint_dir\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x32\x86\x03\n\x0eTrainerService\x12\x43\n\x08StartRun\x12\x1a.turnrl.v1.StartRunRequest\x1a\x1b.turnrl.v1.StartRunResponse\x12=\n\x06GetRun\x12\x18.turnrl.v1.GetRunRequest\x1a\x19.turnrl.v1.GetRunResponse\x12W\n\x0eStreamProgress\x12 .turnrl.v1.StreamProgressRequest\x1a!.turnrl.v1.StreamProgressResponse0\x01\x12@\n\x07StopRun\x12\x19.turnrl.v1.StopRunRequest\x1a\x1a.turnrl.v1.StopRunResponse\x12U\n\x0eSaveCheckpoint\x12 .turnrl.v1.SaveCheckpointRequest\x1a!.turnrl.v1.SaveCheckpointResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,27 +43,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUN_STATE']._serialized_start=397
   _globals['_RUN_STATE']._serialized_end=544
   _globals['_STARTRUNREQUEST']._serialized_start=546
-  _globals['_STARTRUNREQUEST']._serialized_end=618
-  _globals['_STARTRUNRESPONSE']._serialized_start=620
-  _globals['_STARTRUNRESPONSE']._serialized_end=667
-  _globals['_GETRUNREQUEST']._serialized_start=669
-  _globals['_GETRUNREQUEST']._serialized_end=702
-  _globals['_GETRUNRESPONSE']._serialized_start=704
-  _globals['_GETRUNRESPONSE']._serialized_end=749
-  _globals['_STREAMPROGRESSREQUEST']._serialized_start=751
-  _globals['_STREAMPROGRESSREQUEST']._serialized_end=792
-  _globals['_STREAMPROGRESSRESPONSE']._serialized_start=795
-  _globals['_STREAMPROGRESSRESPONSE']._serialized_end=1057
+  _globals['_STARTRUNREQUEST']._serialized_end=639
+  _globals['_STARTRUNRESPONSE']._serialized_start=641
+  _globals['_STARTRUNRESPONSE']._serialized_end=688
+  _globals['_GETRUNREQUEST']._serialized_start=690
+  _globals['_GETRUNREQUEST']._serialized_end=723
+  _globals['_GETRUNRESPONSE']._serialized_start=725
+  _globals['_GETRUNRESPONSE']._serialized_end=770
+  _globals['_STREAMPROGRESSREQUEST']._serialized_start=772
+  _globals['_STREAMPROGRESSREQUEST']._serialized_end=813
+  _globals['_STREAMPROGRESSRESPONSE']._serialized_start=816
+  _globals['_STREAMPROGRESSRESPONSE']._serialized_end=1078
   _globals['_STREAMPROGRESSRESPONSE_METRICSENTRY']._serialized_start=348
   _globals['_STREAMPROGRESSRESPONSE_METRICSENTRY']._serialized_end=394
-  _globals['_STOPRUNREQUEST']._serialized_start=1059
-  _globals['_STOPRUNREQUEST']._serialized_end=1118
-  _globals['_STOPRUNRESPONSE']._serialized_start=1120
-  _globals['_STOPRUNRESPONSE']._serialized_end=1166
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1168
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1209
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1211
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1273
-  _globals['_TRAINERSERVICE']._serialized_start=1276
-  _globals['_TRAINERSERVICE']._serialized_end=1666
+  _globals['_STOPRUNREQUEST']._serialized_start=1080
+  _globals['_STOPRUNREQUEST']._serialized_end=1139
+  _globals['_STOPRUNRESPONSE']._serialized_start=1141
+  _globals['_STOPRUNRESPONSE']._serialized_end=1187
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1189
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1230
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1232
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1294
+  _globals['_TRAINERSERVICE']._serialized_start=1297
+  _globals['_TRAINERSERVICE']._serialized_end=1687
 # @@protoc_insertion_point(module_scope)

@@ -153,22 +153,29 @@ class StartRunRequest(_message.Message):
     CONFIG_YAML_FIELD_NUMBER: _builtins.int
     RUN_NAME_FIELD_NUMBER: _builtins.int
     RESUME_FIELD_NUMBER: _builtins.int
+    RESUME_FROM_FIELD_NUMBER: _builtins.int
     config_yaml: _builtins.str
     """The whole turnrl config as YAML text, overrides already applied."""
     run_name: _builtins.str
     """Run name; empty takes the config's `trainer.run_name`."""
     resume: _builtins.bool
     """Continue the run of this name from its last checkpoint instead of starting over."""
+    resume_from: _builtins.str
+    """With `resume`, the checkpoint to continue from instead of the last: a folder name under
+    the run's checkpoints/ (`step_000040`) or a step (`40`). NOT_FOUND when the run has no
+    such checkpoint; INVALID_ARGUMENT without `resume`.
+    """
     def __init__(
         self,
         *,
         config_yaml: _builtins.str = ...,
         run_name: _builtins.str = ...,
         resume: _builtins.bool = ...,
+        resume_from: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_yaml", b"config_yaml", "resume", b"resume", "run_name", b"run_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_yaml", b"config_yaml", "resume", b"resume", "resume_from", b"resume_from", "run_name", b"run_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
