@@ -188,13 +188,8 @@ def run_packing(model_dir: str, packed: bool, lengths: list[int], steps: int) ->
     print(RESULT_PREFIX + json.dumps({"peak": peak, "s_per_step": seconds}), flush=True)
 
 
-def launch(model_dir: str, way: str, args: argparse.Namespace, out_dir: str) -> list[dict]:
-    """Each rank's peaks of a 2-rank run the `way` says."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        __file__, "--rank-of", model_dir, "--way", way, "--rows", str(args.rows),
-        "--seq-len", str(args.seq_len), "--out-dir", out_dir,
-    ]  # fmt: skip
+def results_of(command: list[str]) -> list[dict]:
+    """The RESULT lines `command` prints, run with one thread a process."""
     # A fixed mmap threshold: glibc otherwise raises it as large blocks are freed, keeps later
     # ones in its heap, and a phase after one that freed memory would reuse it unseen.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
@@ -202,27 +197,31 @@ def launch(model_dir: str, way: str, args: argparse.Namespace, out_dir: str) -> 
         output, _ = process.communicate()
     if process.returncode:
         raise RuntimeError(f"{command} exited with code {process.returncode}")
-    results = [
+    return [
         json.loads(line.removeprefix(RESULT_PREFIX))
         for line in output.splitlines()
         if line.startswith(RESULT_PREFIX)
     ]
-    return sorted(results, key=lambda result: result["rank"])
+
+
+def launch(model_dir: str, way: str, args: argparse.Namespace, out_dir: str) -> list[dict]:
+    """Each rank's peaks of a 2-rank run the `way` says."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        __file__, "--rank-of", model_dir, "--way", way, "--rows", str(args.rows),
+        "--seq-len", str(args.seq_len), "--out-dir", out_dir,
+    ]  # fmt: skip
+    return sorted(results_of(command), key=lambda result: result["rank"])
 
 
 def run_packing_process(model_dir: str, way: str, args: argparse.Namespace) -> dict:
-    """`run_packing`'s result in a process of its own, one thread, `way` packed or padded."""
+    """`run_packing`'s result in a process of its own, `way` packed or padded."""
     command = [
         sys.executable, __file__, "--packing-of", model_dir, "--packed", str(int(way == "packed")),
         "--packing-steps", str(args.packing_steps), *(["--small"] if args.small else []),
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
-    with child(command, env=env, stdout=subprocess.PIPE, text=True) as process:
-        output, _ = process.communicate()
-    if process.returncode:
-        raise RuntimeError(f"{command} exited with code {process.returncode}")
-    line = next(line for line in output.splitlines() if line.startswith(RESULT_PREFIX))
-    return json.loads(line.removeprefix(RESULT_PREFIX))
+    (result,) = results_of(command)
+    return result
 
 
 def main() -> None:

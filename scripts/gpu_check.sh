@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check in one run of at most 10 minutes, with one report: the GPU tests that need no
-# engine (FSDP on CUDA), then for SGLang and for vLLM, where its interpreter imports it, that
+# engine (FSDP on CUDA, packed micro-batches), then for SGLang and for vLLM, where its interpreter imports it, that
 # engine's GPU tests and the rollout benchmark on it (`--smoke`). `make test-gpu` runs it here;
 # on the lent GPU machine, from the repository root:
 #
@@ -111,7 +111,8 @@ run_all() {
       "$probe"
     return
   fi
-  run_check "engine-free GPU tests" 180 "$PYTHON" -m pytest -m gpu tests/gpu/test_fsdp_gpu.py
+  run_check "engine-free GPU tests" 180 "$PYTHON" -m pytest -m gpu tests/gpu/test_fsdp_gpu.py \
+    tests/gpu/test_packed_gpu.py
   for engine in sglang vllm; do
     python="${ENGINE_PYTHON[$engine]}"
     reason="$(engine_missing "$engine")"

@@ -74,8 +74,8 @@ class TrainSettings(StrictModel):
     pack_sequences: bool = Field(
         False,
         description="Forward each micro-batch's rows as one sequence without padding, each "
-        "attending within itself (positions restarted per row; varlen flash attention on a "
-        "GPU with flash_attention_2, a block-diagonal mask on CPU): no compute or logits for "
+        "attending within itself (positions restarted per row, from which transformers "
+        "builds a block-diagonal causal mask): no compute or logits for "
         "padding, the same logprobs to 1e-5. Where shared_prefix_forward applies (a policy "
         "step's groups) that forward is used instead; images' rows stay padded.",
     )

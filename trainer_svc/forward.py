@@ -91,8 +91,9 @@ def packed_forward(
     """The model's output (logits, or a token classifier's) on `flat_ids`, (1, tokens): the
     real tokens of rows `attention_mask` marks, one row after the other, each attending to
     its own tokens only: transformers reads the rows' bounds from positions that start again
-    at 0 with each row, when no attention mask is given (varlen kernels with
-    flash_attention_2, a block-diagonal causal mask with sdpa and eager). Also whether each
+    at 0 with each row, when no attention mask is given: a block-diagonal causal mask with
+    sdpa and eager (the trainer's models), the varlen kernels with flash_attention_2. Also
+    whether each
     flat token begins its row."""
     lengths = attention_mask.sum(1)
     positions = torch.arange(flat_ids.shape[1], device=flat_ids.device)

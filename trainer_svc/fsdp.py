@@ -73,8 +73,10 @@ from trainer_svc.lora import (
     adapter_state,
     adapters_disabled,
     add_lora_adapters,
+    initial_adapters,
     merge_adapters,
     save_adapter,
+    unadapted_name,
     unadapted_state,
 )
 from trainer_svc.sharded_load import LoadedModel, fill_shards, load_model
@@ -379,14 +381,15 @@ class FsdpPolicy(FsdpModel):
         self, model_path: str | Path, settings: TrainSettings, lora: LoraSettings | None = None
     ) -> None:
         config = AutoConfig.from_pretrained(model_path)
-        # Adapters go on a whole model: a LoRA policy loads whole even under FSDP.
-        sharded = joins_process_group() and lora is None
-        loaded = load_model(model_class(model_path), model_path, config, sharded)
+        loaded = load_model(model_class(model_path), model_path, config, joins_process_group())
         self.model_path = str(model_path)
         self.lora = lora
         # The last parts of the adapted layers' names (q_proj, ...); [] without LoRA.
         self.adapter_target_modules = [] if lora is None else add_lora_adapters(loaded.model, lora)
-        super().__init__(loaded, settings)
+        adapters = {} if lora is None else initial_adapters(loaded.model, lora)
+        if lora is not None and loaded.files is not None:  # filled with the base once sharded
+            loaded.files.follow_renames(loaded.model, unadapted_name)
+        super().__init__(loaded, settings, adapters)
         self.shares_prefixes = settings.shared_prefix_forward and can_share_prefixes(self.model)
 
     def logprobs(self, batch: Batch, *, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:

@@ -9,6 +9,8 @@ of the files peft's `PeftModel.save_pretrained` writes.
 """
 
 import contextlib
+import math
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from trainer_svc.config import LoraSettings
 from turnrl.weights import PEFT_PREFIX
 
 ADAPTER = "default"  # peft's name of the one adapter
-# Every rank draws the adapters' initial weights from this seed, so they start out equal.
+# Every adapter's initial weights are drawn from this seed and its name (`initial_adapters`).
 ADAPTER_INIT_SEED = 0
 # peft's init_lora_weights for each `trainer.lora.init`.
 INIT_LORA_WEIGHTS = {"default": True, "gaussian": "gaussian"}
@@ -80,7 +82,9 @@ def lora_config(
 def add_lora_adapters(model: torch.nn.Module, lora: LoraSettings) -> list[str]:
     """Puts adapters on the layers `lora` targets (checked by `adapter_target_modules`) in
     place and freezes every other parameter; returns the targets. The initial weights come
-    from a fixed seed, the caller's RNG state left as it was."""
+    from `initial_adapters`, which the caller sets (on a model whose base is empty, on the
+    meta device, the adapters are empty too); peft's own draws leave the caller's RNG state
+    as it was."""
     targets = adapter_target_modules(model, lora)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(ADAPTER_INIT_SEED)
@@ -88,6 +92,32 @@ def add_lora_adapters(model: torch.nn.Module, lora: LoraSettings) -> list[str]:
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(".lora_" in name)
     return targets
+
+
+def initial_adapters(model: torch.nn.Module, lora: LoraSettings) -> dict[str, Tensor]:
+    """Each adapter's initial weights, drawn for its name alone (a generator seeded from
+    ADAPTER_INIT_SEED and the name): equal on every rank, and whether the model was loaded
+    whole or empty (`sharded_load`), where peft's own draws would follow the RNG. Drawn as
+    peft draws them: A kaiming-uniform (`trainer.lora.init` default) or normal with std
+    1 / rank (gaussian), B zero, so that the adapted model starts as its base."""
+    values = {}
+    for name, parameter in model.named_parameters():
+        value = torch.zeros(parameter.shape)
+        if ".lora_A." in name:
+            generator = torch.Generator().manual_seed(ADAPTER_INIT_SEED + zlib.crc32(name.encode()))
+            if lora.init == "gaussian":
+                value.normal_(0.0, 1.0 / lora.rank, generator=generator)
+            else:
+                torch.nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=generator)
+        if ".lora_" in name:
+            values[name] = value
+    return values
+
+
+def unadapted_name(name: str) -> str:
+    """A parameter's name in the base model: an adapted layer's frozen weight is its
+    `base_layer`'s."""
+    return name.replace(".base_layer.", ".")
 
 
 @contextlib.contextmanager
@@ -127,11 +157,7 @@ def merge_adapters(state: dict[str, Tensor], lora: LoraSettings) -> dict[str, Te
 def unadapted_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
     """The model state `state` (with adapters) as the base model's, under its Hugging Face
     names, with the adapters left out: the frozen weights pushed adapters apply to."""
-    return {
-        name.replace(".base_layer.", "."): tensor
-        for name, tensor in state.items()
-        if ".lora_" not in name
-    }
+    return {unadapted_name(name): tensor for name, tensor in state.items() if ".lora_" not in name}
 
 
 def adapter_state(state: dict[str, Tensor]) -> dict[str, Tensor]:

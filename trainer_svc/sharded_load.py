@@ -4,7 +4,7 @@
 RoPE's frequencies, are real: they are computed at construction, not loaded); `apply_fsdp`
 shards the empty parameters; `fill_shards` then gives each rank's shard memory and copies
 in the rows of each tensor that the rank holds, read from the model folder's safetensors
-files through their memory map: one tensor's rows at a time, in fp32. So a rank's peak is
+files with plain reads: one tensor's rows at a time, in fp32. So a rank's peak is
 about its shard of the model, where loading the whole model on every rank and then
 sharding it (transformers' `from_pretrained`, then `fully_shard`) peaks at the whole model
 on each of them. `benchmarks/trainer_memory.py` measures both.
@@ -12,13 +12,15 @@ on each of them. `benchmarks/trainer_memory.py` measures both.
 The files' names are the model's, after transformers' own renamings of the model class (a
 Qwen2.5-VL checkpoint's `model.layers.*` is the model's `model.language_model.layers.*`).
 A model whose checkpoint transformers converts in other ways (fusing experts, say) is
-refused by `CheckpointFiles`: `load_model` loads it whole instead, as it does a LoRA
-policy (its adapters are put on a whole model) and every model of a single process.
+refused by `CheckpointFiles`: `load_model` loads it whole instead, as it does every model
+of a single process. A LoRA policy's adapters go on the empty model with their initial
+weights (`lora.add_lora_adapters`), which fill them once sharded.
 """
 
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +88,15 @@ class CheckpointFiles:
             for key, stored in safetensors_entries(folder / file).items():
                 name, _ = rename_source_key(key, renamings, [], model.base_model_prefix, names)
                 self.locations[name] = stored
+
+    def follow_renames(self, model: PreTrainedModel, name_before: Callable[[str], str]) -> None:
+        """Indexes the files by `model`'s parameter names again after a change to its modules
+        renamed them (LoRA's: `name_before` gives each name as it was)."""
+        self.locations = {
+            name: self.locations[name_before(name)]
+            for name, _ in model.named_parameters()
+            if name_before(name) in self.locations
+        }
 
     def rows(self, name: str, start: int, stop: int) -> Tensor:
         """Rows start:stop (dimension 0) of parameter `name` in fp32; a 0-d tensor whole."""

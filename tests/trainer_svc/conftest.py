@@ -15,20 +15,27 @@ from turnrl_cli.up_table import UP_READY_LINE, UP_TABLE_ROW
 from ..conftest import EXAMPLE_CONFIG, FREE_PORTS, SERVICE_NAMES, free_port
 
 
+def tiny_qwen3_config(**changes) -> Qwen3Config:
+    """A 2-layer Qwen3 of width 64 with tied embeddings and a 256-token vocabulary, but for
+    `changes`."""
+    sizes = {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 128,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": True,
+    }
+    return Qwen3Config(**{**sizes, **changes})
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    """A randomly initialised 2-layer Qwen3 with tied embeddings, saved in HF format."""
-    config = Qwen3Config(
-        vocab_size=256,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
+    """A randomly initialised `tiny_qwen3_config()` Qwen3, saved in HF format."""
+    config = tiny_qwen3_config()
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("tiny_qwen3")
     Qwen3ForCausalLM(config).save_pretrained(folder)

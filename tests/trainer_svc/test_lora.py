@@ -154,6 +154,10 @@ def test_every_rank_builds_the_same_adapters_whatever_the_rng(model_dir):
     torch.manual_seed(2)
     second = lora_policy(model_dir, gaussian).adapter_state_dict()
     assert all(torch.equal(first[name], second[name]) for name in first)
+    # Drawn as peft draws them: A normal with std 1 / rank, B zero.
+    down = torch.cat([t.flatten() for name, t in first.items() if ".lora_A." in name])
+    assert abs(float(down.std()) - 1 / gaussian.rank) < 0.02
+    assert all(not t.any() for name, t in first.items() if ".lora_B." in name)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     rng_state = torch.get_rng_state()
     add_lora_adapters(model, gaussian)

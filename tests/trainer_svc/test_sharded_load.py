@@ -15,10 +15,10 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
-    Qwen3Config,
     Qwen3ForCausalLM,
 )
 
+from tests.trainer_svc.conftest import tiny_qwen3_config
 from tests.trainer_svc.two_ranks import run_on_two_ranks
 from trainer_svc.sharded_load import SAFETENSORS_INDEX, fill_shards, load_model
 from turnrl.errors import ConfigError
@@ -31,17 +31,7 @@ WORKER_TIMEOUT_SECONDS = 180
 def split_bf16_model_dir(tmp_path_factory) -> Path:
     """A random 2-layer Qwen3 with an untied head and an odd vocabulary (rows two ranks split
     unevenly), saved in bf16 across several files with an index."""
-    config = Qwen3Config(
-        vocab_size=301,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
+    config = tiny_qwen3_config(vocab_size=301, tie_word_embeddings=False)
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("split_bf16_qwen3")
     Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder, max_shard_size="40KB")
