@@ -45,11 +45,7 @@ from torch import Tensor
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint._hf_utils import CUSTOM_METADATA_KEY, SAVED_OFFSETS_KEY
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from trainer_svc.fsdp import FsdpModel
@@ -101,7 +97,8 @@ def restore_model(model: FsdpModel, folder: Path, role: str, plain: dict[str, An
     """Loads `model`'s state from the checkpoint in `folder`, where it is `role`'s, and
     `plain` (`model_checkpoint_state`'s plain part): each rank reads its rows. Collective."""
     model_state, optimizer_state = get_state_dict(model.model, model.optimizer)
-    # Read in place into the tensors the state dicts hold, then set from them.
+    # Read in place into the tensors the state dicts hold (the frozen ones keep the model the
+    # run started from), then set from them.
     read_shards(folder, {role: checkpointed_tensors(model, model_state, optimizer_state)})
     optimizer_state["param_groups"] = plain["param_groups"]
     set_state_dict(
@@ -109,8 +106,6 @@ def restore_model(model: FsdpModel, folder: Path, role: str, plain: dict[str, An
         model.optimizer,
         model_state_dict=model_state,
         optim_state_dict=optimizer_state,
-        # A model state of the trainable parameters leaves the frozen ones out.
-        options=StateDictOptions(strict=not model.has_frozen_parameters()),
     )
     model.scheduler.load_state_dict(plain["scheduler"])
 

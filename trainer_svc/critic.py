@@ -61,9 +61,7 @@ class FsdpCritic(FsdpModel):
             if self.packs(micro):
                 flat_ids = micro.input_ids[real][None]
                 head, starts = packed_forward(self.model, flat_ids, micro.attention_mask)
-                # A row's first token has no state before it: 0, as in the padded layout.
-                flat = F.pad(head[0, :-1, 0].float(), (1, 0)).masked_fill(starts, 0.0)
-                return unpacked(flat, real)
+                return unpacked(F.pad(head[0, :-1, 0].float(), (1, 0)), real, starts)
             head = self.model(
                 input_ids=micro.input_ids, attention_mask=micro.attention_mask, use_cache=False
             ).logits

@@ -77,37 +77,36 @@ def packed_logprobs(
     flat_ids = input_ids[real][None]
     logits, starts = packed_forward(model, flat_ids, attention_mask)
     logprobs, entropy = token_logprobs(logits, flat_ids, with_entropy)
-    # A row's first token follows the row before's last one here: it has no prefix, 0.
     logprobs, entropy = [
-        None if part is None else unpacked(part[0].masked_fill(starts, 0.0), real)
-        for part in (logprobs, entropy)
+        None if part is None else unpacked(part[0], real, starts) for part in (logprobs, entropy)
     ]
     return logprobs, entropy
 
 
 def packed_forward(
-    model: PreTrainedModel, flat_ids: Tensor, attention_mask: Tensor, **kwargs
+    model: PreTrainedModel, flat_ids: Tensor, attention_mask: Tensor
 ) -> tuple[Tensor, Tensor]:
     """The model's output (logits, or a token classifier's) on `flat_ids`, (1, tokens): the
     real tokens of rows `attention_mask` marks, one row after the other, each attending to
     its own tokens only: transformers reads the rows' bounds from positions that start again
     at 0 with each row, when no attention mask is given: a block-diagonal causal mask with
     sdpa and eager (the trainer's models), the varlen kernels with flash_attention_2. Also
-    whether each
-    flat token begins its row."""
+    whether each flat token begins its row."""
     lengths = attention_mask.sum(1)
     positions = torch.arange(flat_ids.shape[1], device=flat_ids.device)
     row_starts = torch.cumsum(lengths, 0) - lengths
     positions = positions - torch.repeat_interleave(row_starts, lengths)
-    output = model(input_ids=flat_ids, position_ids=positions[None], use_cache=False, **kwargs)
+    output = model(input_ids=flat_ids, position_ids=positions[None], use_cache=False)
     return output.logits, positions == 0
 
 
-def unpacked(flat: Tensor, real: Tensor) -> Tensor:
-    """The (tokens,) `flat` values in their rows' places, (rows, length) like `real`; padding
-    gets 0. Differentiable."""
+def unpacked(flat: Tensor, real: Tensor, starts: Tensor) -> Tensor:
+    """The (tokens,) `flat` values of a packed forward, each computed from the token before
+    it, in their rows' places, (rows, length) like `real`. A row's first token (`starts`)
+    followed the row before's last one there: it has no prefix and gets 0, as padding does.
+    Differentiable."""
     rows = torch.zeros(real.shape, dtype=flat.dtype, device=flat.device)
-    return rows.masked_scatter(real, flat)
+    return rows.masked_scatter(real, flat.masked_fill(starts, 0.0))
 
 
 def image_inputs(

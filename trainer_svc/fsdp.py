@@ -204,9 +204,6 @@ class FsdpModel:
             self.optimizer, partial(lr_factor, settings=settings)
         )
 
-    def has_frozen_parameters(self) -> bool:
-        return len(self.trainable_parameters) < len(list(self.model.parameters()))
-
     def close(self) -> None:
         """Leaves the process group, if this model made it."""
         if self._owns_process_group:

@@ -102,15 +102,15 @@ def initial_adapters(model: torch.nn.Module, lora: LoraSettings) -> dict[str, Te
     1 / rank (gaussian), B zero, so that the adapted model starts as its base."""
     values = {}
     for name, parameter in model.named_parameters():
-        value = torch.zeros(parameter.shape)
+        if ".lora_" not in name:
+            continue
+        value = values[name] = torch.zeros(parameter.shape)
         if ".lora_A." in name:
             generator = torch.Generator().manual_seed(ADAPTER_INIT_SEED + zlib.crc32(name.encode()))
             if lora.init == "gaussian":
                 value.normal_(0.0, 1.0 / lora.rank, generator=generator)
             else:
                 torch.nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=generator)
-        if ".lora_" in name:
-            values[name] = value
     return values
 
 
